@@ -1,0 +1,5 @@
+import sys
+
+from rapiddiff.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""``rapiddiff <command> ...``: one subcommand per stage, each defined in its stage.
+
+Only this module knows every stage (DESIGN.md's import order). Each entry below names a module
+with ``register(parser)``, which adds the command's arguments (or its own subcommands) and sets
+``func``. Those modules import nothing heavy at import time, so ``rapiddiff --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rapiddiff import __version__
+from rapiddiff.utils.logging import setup_logging
+
+# command name → (module with register(parser), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rapiddiff",
+        description="Chinese knowledge-enhanced text-to-image: knowledge graph → CLIP → latent diffusion → ESRGAN.",
+    )
+    parser.add_argument("--version", action="version", version=f"rapiddiff {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).register(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(-1 if args.quiet else args.verbose)
+    if not hasattr(args, "func"):
+        parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as err:
+        # Errors we raise on purpose carry a message meant for the user: show it, not a traceback.
+        if args.verbose > 1:
+            raise
+        print(f"rapiddiff {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

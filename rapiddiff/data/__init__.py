@@ -1,0 +1,1 @@
+"""The data stage: image–caption datasets, transforms, entity annotation, kshapes."""

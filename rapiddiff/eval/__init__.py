@@ -1,0 +1,1 @@
+"""Evaluation: FID, CLIP score, retrieval recall, knowledge accuracy, reports."""

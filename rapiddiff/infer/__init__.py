@@ -1,0 +1,1 @@
+"""Inference: RapidDiffusionPipeline, the fast path (accelerate), bench."""

@@ -1,0 +1,1 @@
+"""The knowledge-graph stage: triples I/O, TransE (pykeen), KnowledgeStore, EntityLinker."""

@@ -1,0 +1,1 @@
+"""Training: LightningModules and LightningCLI entries (clip, vae, unet, finetune, upscaler)."""

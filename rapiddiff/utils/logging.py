@@ -1,0 +1,20 @@
+"""One logger namespace, ``rapiddiff.*``; the CLI decides the level and the handler."""
+
+from __future__ import annotations
+
+import logging
+
+
+def get_logger(name: str) -> logging.Logger:
+    """``get_logger(__name__)`` in every module; messages go to stderr via :func:`setup_logging`."""
+    return logging.getLogger(name if name.startswith("rapiddiff") else f"rapiddiff.{name}")
+
+
+def setup_logging(verbose: int = 0) -> None:
+    level = logging.WARNING if verbose < 0 else logging.INFO if verbose == 0 else logging.DEBUG
+    root = logging.getLogger("rapiddiff")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from rapiddiff.utils.io import UnsafeCheckpointError, atomic_open, load_weights, save_safetensors
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_safetensors_round_trip(tmp_path):
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5)}
+    save_safetensors(tensors, tmp_path / "w.safetensors")
+    loaded = load_weights(tmp_path / "w.safetensors")
+    assert loaded.keys() == tensors.keys()
+    for key in tensors:
+        torch.testing.assert_close(loaded[key], tensors[key])
+
+
+def test_plain_torch_state_dict_loads(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pth")
+    torch.testing.assert_close(load_weights(tmp_path / "w.pth")["w"], torch.ones(2))
+
+
+def test_pickle_with_code_is_refused(tmp_path):
+    path = tmp_path / "evil.pth"
+    with open(path, "wb") as handle:
+        pickle.dump({"w": _Evil()}, handle)
+    with pytest.raises(UnsafeCheckpointError, match="arbitrary Python objects"):
+        load_weights(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_weights(tmp_path / "absent.safetensors")
+
+
+def test_atomic_open_keeps_old_file_on_failure(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError), atomic_open(path, "w", encoding="utf-8") as handle:
+        handle.write("half")
+        raise RuntimeError("crash mid-write")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temporary left behind
