@@ -1,0 +1,378 @@
+"""KnowledgeStore: trained entity/relation vectors with their names, aliases and facts, as a folder.
+
+Folder layout (the contract of DESIGN.md / COMMON.md)::
+
+    entities.tsv                       id<TAB>name<TAB>aliases (|-joined), a header line first
+    relations.tsv                      id<TAB>name, a header line first
+    entity_embeddings.safetensors      "embeddings": float32 [n_entities, dim]
+    relation_embeddings.safetensors    "embeddings": float32 [n_relations, dim]
+    triples.tsv                        head<TAB>relation<TAB>tail NAMES (readable by read_triples)
+    config.json                        dim, model, counts, training config and held-out metrics
+
+Loading never unpickles: text, JSON and safetensors only. The vector files are memory-mapped
+(copy-on-write), and names and triples are read on first use, so a store of millions of
+entities opens in milliseconds and pages in only what is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rapiddiff.kg.triples import _check_field
+from rapiddiff.utils.io import atomic_open, atomic_write_text, save_safetensors
+from rapiddiff.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger(__name__)
+
+FORMAT_VERSION = 1
+ENTITIES = "entities.tsv"
+RELATIONS = "relations.tsv"
+ENTITY_EMBEDDINGS = "entity_embeddings.safetensors"
+RELATION_EMBEDDINGS = "relation_embeddings.safetensors"
+TRIPLES = "triples.tsv"
+CONFIG = "config.json"
+_KEY = "embeddings"
+
+
+class KnowledgeStore:
+    """Entities (names, aliases, vectors), relations (names, vectors) and facts of one KG."""
+
+    def __init__(
+        self,
+        *,
+        entity_vectors: torch.Tensor,
+        relation_vectors: torch.Tensor,
+        config: dict[str, Any] | None = None,
+        entity_names: list[str] | None = None,
+        relation_names: list[str] | None = None,
+        aliases: list[list[str]] | None = None,
+        triples: torch.Tensor | None = None,
+        path: Path | None = None,
+    ) -> None:
+        # Use from_arrays() or load(); names/aliases/triples left None are read lazily from path.
+        self.entity_vectors = entity_vectors
+        self.relation_vectors = relation_vectors
+        self.config: dict[str, Any] = dict(config or {})
+        self.path = path
+        self._entity_names = entity_names
+        self._relation_names = relation_names
+        self._aliases = aliases
+        self._triples = triples
+        self._index: dict[str, int] | None = None
+        self._facts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_arrays(
+        cls,
+        entity_names: Sequence[str],
+        relation_names: Sequence[str],
+        entity_vectors: Any,
+        relation_vectors: Any,
+        triples: Sequence[tuple[int, int, int]] | Any = (),
+        aliases: Sequence[Sequence[str]] | Mapping[str, Sequence[str]] | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> KnowledgeStore:
+        """Build a store from names, vectors (tensor or array) and id triples; validates shapes.
+
+        ``aliases`` is a list parallel to ``entity_names`` or a mapping name → aliases.
+        """
+        import torch
+
+        names = [str(n) for n in entity_names]
+        rel_names = [str(n) for n in relation_names]
+        ent = torch.as_tensor(entity_vectors, dtype=torch.float32).detach().cpu()
+        rel = torch.as_tensor(relation_vectors, dtype=torch.float32).detach().cpu()
+        if ent.ndim != 2 or ent.shape[0] != len(names):
+            raise ValueError(f"entity_vectors must be [{len(names)}, dim], got {list(ent.shape)}")
+        if rel.ndim != 2 or rel.shape[0] != len(rel_names):
+            raise ValueError(f"relation_vectors must be [{len(rel_names)}, dim], got {list(rel.shape)}")
+        if rel.shape[1] != ent.shape[1]:
+            raise ValueError(f"entity dim {ent.shape[1]} != relation dim {rel.shape[1]}")
+        for label, items in (("entity", names), ("relation", rel_names)):
+            if len(set(items)) != len(items):
+                dup = next(n for i, n in enumerate(items) if n in items[:i])
+                raise ValueError(f"{label} names must be unique; {dup!r} appears twice")
+            for n in items:
+                _check_field(n, f"{label} name")
+        if aliases is None:
+            alias_lists: list[list[str]] = [[] for _ in names]
+        elif isinstance(aliases, Mapping):
+            unknown = [k for k in aliases if k not in set(names)]
+            if unknown:
+                raise ValueError(f"aliases given for unknown entity {unknown[0]!r}")
+            alias_lists = [list(aliases.get(n, ())) for n in names]
+        else:
+            if len(aliases) != len(names):
+                raise ValueError(f"aliases must have one list per entity ({len(names)}), got {len(aliases)}")
+            alias_lists = [list(a) for a in aliases]
+        for items in alias_lists:
+            for a in items:
+                _check_field(a, "alias")
+                if "|" in a:
+                    raise ValueError(f"alias {a!r} contains '|', the alias separator of entities.tsv")
+        trip = torch.as_tensor(triples if len(triples) else torch.empty(0, 3), dtype=torch.long).reshape(
+            -1, 3
+        )
+        if len(trip) and (
+            int(trip.min()) < 0
+            or int(trip[:, [0, 2]].max()) >= len(names)
+            or int(trip[:, 1].max()) >= len(rel_names)
+        ):
+            raise ValueError("triples hold ids outside the entity/relation ranges")
+        return cls(
+            entity_vectors=ent.contiguous(),
+            relation_vectors=rel.contiguous(),
+            config=config,
+            entity_names=names,
+            relation_names=rel_names,
+            aliases=alias_lists,
+            triples=trip,
+        )
+
+    # ----------------------------------------------------------------- persistence
+    def save(self, path: str | Path) -> Path:
+        """Write the store folder (each file atomically); returns the folder path."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path / ENTITIES, "w", encoding="utf-8") as f:
+            f.write("id\tname\taliases\n")
+            for i, (name, al) in enumerate(zip(self.entity_names, self.aliases, strict=True)):
+                f.write(f"{i}\t{name}\t{'|'.join(al)}\n")
+        with atomic_open(path / RELATIONS, "w", encoding="utf-8") as f:
+            f.write("id\tname\n")
+            for i, name in enumerate(self.relation_names):
+                f.write(f"{i}\t{name}\n")
+        meta = {"format": "rapiddiff.KnowledgeStore"}
+        save_safetensors({_KEY: self.entity_vectors}, path / ENTITY_EMBEDDINGS, metadata=meta)
+        save_safetensors({_KEY: self.relation_vectors}, path / RELATION_EMBEDDINGS, metadata=meta)
+        ents, rels = self.entity_names, self.relation_names
+        with atomic_open(path / TRIPLES, "w", encoding="utf-8") as f:
+            f.write("# head\trelation\ttail\n")
+            for h, r, t in self.triples.tolist():
+                f.write(f"{ents[h]}\t{rels[r]}\t{ents[t]}\n")
+        config = {
+            **self.config,
+            "format_version": FORMAT_VERSION,
+            "dim": self.dim,
+            "n_entities": len(self),
+            "n_relations": len(self.relation_names),
+            "n_triples": len(self.triples),
+        }
+        atomic_write_text(path / CONFIG, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+        self.config = config
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> KnowledgeStore:
+        """Open a store folder: vectors memory-mapped now, names and triples read on first use."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"knowledge store folder not found: {path}")
+        missing = [
+            n
+            for n in (ENTITIES, RELATIONS, ENTITY_EMBEDDINGS, RELATION_EMBEDDINGS, CONFIG)
+            if not (path / n).is_file()
+        ]
+        if missing:
+            raise FileNotFoundError(
+                f"{path} is not a KnowledgeStore folder: missing {', '.join(missing)} "
+                "(make one with `rapiddiff kg train --config ...`)"
+            )
+        try:
+            config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path / CONFIG}: not valid JSON ({err})") from err
+        ent = _mmap_safetensors(path / ENTITY_EMBEDDINGS)
+        rel = _mmap_safetensors(path / RELATION_EMBEDDINGS)
+        if ent.shape[1] != rel.shape[1]:
+            raise ValueError(f"{path}: entity dim {ent.shape[1]} != relation dim {rel.shape[1]}")
+        n = config.get("n_entities")
+        if n is not None and n != ent.shape[0]:
+            raise ValueError(
+                f"{path}: config.json says {n} entities, {ENTITY_EMBEDDINGS} holds {ent.shape[0]}"
+            )
+        return cls(entity_vectors=ent, relation_vectors=rel, config=config, path=path)
+
+    # ----------------------------------------------------------------- lazy parts
+    @property
+    def entity_names(self) -> list[str]:
+        if self._entity_names is None:
+            self._read_entities()
+        assert self._entity_names is not None
+        return self._entity_names
+
+    @property
+    def aliases(self) -> list[list[str]]:
+        if self._aliases is None:
+            self._read_entities()
+        assert self._aliases is not None
+        return self._aliases
+
+    @property
+    def relation_names(self) -> list[str]:
+        if self._relation_names is None:
+            assert self.path is not None
+            rows = _read_table(self.path / RELATIONS, 2, len(self.relation_vectors))
+            self._relation_names = [r[1] for r in rows]
+        return self._relation_names
+
+    @property
+    def triples(self) -> torch.Tensor:
+        """[T, 3] long: (head_id, relation_id, tail_id)."""
+        if self._triples is None:
+            self._triples = self._read_triples()
+        return self._triples
+
+    def _read_entities(self) -> None:
+        assert self.path is not None
+        rows = _read_table(self.path / ENTITIES, 3, len(self.entity_vectors))
+        self._entity_names = [r[1] for r in rows]
+        self._aliases = [r[2].split("|") if r[2] else [] for r in rows]
+
+    def _read_triples(self) -> torch.Tensor:
+        import torch
+
+        assert self.path is not None
+        file = self.path / TRIPLES
+        if not file.is_file():
+            log.warning("%s: no %s; the store has no facts", self.path, TRIPLES)
+            return torch.empty(0, 3, dtype=torch.long)
+        from rapiddiff.kg.triples import KGFormatError, read_triples
+
+        ent = {n: i for i, n in enumerate(self.entity_names)}
+        rel = {n: i for i, n in enumerate(self.relation_names)}
+        ids = []
+        for h, r, t in read_triples(file):
+            try:
+                ids.append((ent[h], rel[r], ent[t]))
+            except KeyError as err:
+                raise KGFormatError(
+                    f"{file}: triple ({h}, {r}, {t}) names {err} which the store does not have"
+                ) from None
+        return torch.tensor(ids, dtype=torch.long).reshape(-1, 3)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def dim(self) -> int:
+        return int(self.entity_vectors.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.entity_vectors.shape[0])
+
+    def __repr__(self) -> str:
+        return f"KnowledgeStore(n_entities={len(self)}, n_relations={len(self.relation_vectors)}, dim={self.dim}, path={self.path})"
+
+    def id_of(self, name_or_alias: str) -> int | None:
+        """Entity id of a name or alias (exact first, then after normalisation); None if unknown."""
+        if self._index is None:
+            self._index = self._build_index()
+        hit = self._index.get(name_or_alias)
+        if hit is None:
+            from rapiddiff.kg.normalize import normalize
+
+            hit = self._index.get(normalize(name_or_alias))
+        return hit
+
+    def _build_index(self) -> dict[str, int]:
+        from rapiddiff.kg.normalize import normalize
+
+        # Priority: exact names, exact aliases, normalised names, normalised aliases; first id wins.
+        index: dict[str, int] = {}
+        for i, name in enumerate(self.entity_names):
+            index.setdefault(name, i)
+        for i, al in enumerate(self.aliases):
+            for a in al:
+                index.setdefault(a, i)
+        for i, name in enumerate(self.entity_names):
+            index.setdefault(normalize(name), i)
+        for i, al in enumerate(self.aliases):
+            for a in al:
+                index.setdefault(normalize(a), i)
+        return index
+
+    def facts(self, entity_id: int) -> list[tuple[int, int]]:
+        """(relation_id, tail_id) of every triple whose head is ``entity_id``."""
+        import torch
+
+        if self._facts is None:
+            trip = self.triples
+            order = torch.argsort(trip[:, 0], stable=True)
+            self._facts = (trip[order], trip[order, 0].contiguous())
+        rows, heads = self._facts
+        lo = int(torch.searchsorted(heads, entity_id, side="left"))
+        hi = int(torch.searchsorted(heads, entity_id, side="right"))
+        return [(int(r), int(t)) for _, r, t in rows[lo:hi].tolist()]
+
+    def vector(self, name_or_alias: str) -> torch.Tensor:
+        """The entity vector [dim] of a name or alias; KeyError names the entity if unknown."""
+        i = self.id_of(name_or_alias)
+        if i is None:
+            raise KeyError(f"unknown entity {name_or_alias!r}")
+        return self.entity_vectors[i]
+
+
+def _read_table(file: Path, columns: int, expected_rows: int) -> list[list[str]]:
+    """Rows of an id-numbered TSV with a header; checks ids run 0..n-1 and match the vectors."""
+    rows: list[list[str]] = []
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if number == 1:
+                continue  # header
+            parts = line.rstrip("\r\n").split("\t")
+            if len(parts) != columns or parts[0] != str(len(rows)):
+                raise ValueError(
+                    f"{file}:{number}: expected {columns} columns starting with id {len(rows)}, got {line[:80]!r}"
+                )
+            rows.append(parts)
+    if len(rows) != expected_rows:
+        raise ValueError(f"{file}: {len(rows)} rows but the embeddings hold {expected_rows}")
+    return rows
+
+
+def _mmap_safetensors(file: Path) -> torch.Tensor:
+    """The float32 "embeddings" tensor of a safetensors file, memory-mapped copy-on-write.
+
+    safetensors' ``load_file``/``safe_open.get_tensor`` copy the data into memory; for a
+    16 M × 64 table that is 4 GB read before the first lookup. The format is an 8-byte
+    little-endian header length, a JSON header with each tensor's dtype/shape/offsets, then
+    the raw bytes, so a numpy memmap over the data gives the same tensor without reading it.
+    """
+    import numpy as np
+    import torch
+
+    with file.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{file}: not a safetensors file (too short)")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100_000_000:
+            raise ValueError(f"{file}: not a safetensors file (header length {size})")
+        try:
+            header = json.loads(handle.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{file}: not a safetensors file ({err})") from err
+    info = header.get(_KEY)
+    if not isinstance(info, dict):
+        raise ValueError(
+            f"{file}: no tensor named {_KEY!r} (has: {', '.join(k for k in header if k != '__metadata__')})"
+        )
+    if info.get("dtype") != "F32" or len(info.get("shape", ())) != 2:
+        raise ValueError(
+            f"{file}: {_KEY!r} must be float32 [n, dim], got {info.get('dtype')} {info.get('shape')}"
+        )
+    rows, dim = info["shape"]
+    begin, end = info["data_offsets"]
+    if end - begin != rows * dim * 4:
+        raise ValueError(f"{file}: data offsets do not match shape {info['shape']}")
+    if rows * dim == 0:
+        return torch.zeros(rows, dim)
+    array = np.memmap(file, dtype="<f4", mode="c", offset=8 + size + begin, shape=(rows, dim))
+    return torch.from_numpy(array)

@@ -1,0 +1,97 @@
+"""EntityLinker on a small Chinese set: overlaps, aliases, traditional / full-width forms, words."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapiddiff.kg.linker import EntityLinker, EntitySpan
+from rapiddiff.kg.normalize import normalize
+from rapiddiff.kg.store import KnowledgeStore
+
+NAMES = ["番茄", "番茄酱", "红色", "茄子", "ABC", "北京", "北京大学", "大学", "熊猫"]
+ALIASES = {"番茄": ["西红柿", "蕃茄"], "番茄酱": ["蕃茄酱"], "熊猫": ["大熊猫"]}
+
+
+@pytest.fixture(scope="module")
+def linker() -> EntityLinker:
+    store = KnowledgeStore.from_arrays(
+        NAMES, ["r"], torch.zeros(len(NAMES), 2), torch.zeros(1, 2), aliases=ALIASES
+    )
+    return EntityLinker.from_store(store)
+
+
+def _spans(linker: EntityLinker, text: str) -> list[tuple[str, str]]:
+    spans = linker.link(text)
+    for span in spans:
+        assert text[span.start : span.end] == span.surface  # offsets into the ORIGINAL text
+    assert all(a.end <= b.start for a, b in itertools.pairwise(spans))  # sorted, no overlap
+    return [(s.surface, NAMES[s.entity_id]) for s in spans]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("蓝色背景上有一个番茄", [("番茄", "番茄")]),
+        # the longer entity wins over the one inside it
+        ("我爱吃番茄酱", [("番茄酱", "番茄酱")]),
+        ("番茄和番茄酱", [("番茄", "番茄"), ("番茄酱", "番茄酱")]),
+        # aliases, traditional characters and variant spellings
+        ("一个西红柿", [("西红柿", "番茄")]),
+        ("一個西紅柿", [("西紅柿", "番茄")]),
+        ("蕃茄醬很好吃", [("蕃茄醬", "番茄酱")]),
+        ("红色的蕃茄", [("红色", "红色"), ("蕃茄", "番茄")]),
+        ("紅色的番茄", [("紅色", "红色"), ("番茄", "番茄")]),
+        # full-width and case
+        ("ＡＢＣ公司", [("ＡＢＣ", "ABC")]),
+        ("abc 和 Abc", [("abc", "ABC"), ("Abc", "ABC")]),
+        # not inside a longer Latin word
+        ("ABCD", []),
+        # overlap: longest, then leftmost
+        ("北京大学的熊猫", [("北京大学", "北京大学"), ("熊猫", "熊猫")]),
+        ("一只大熊猫", [("大熊猫", "熊猫")]),
+        # an entity inside a longer word that jieba keeps whole is not linked
+        ("番茄汁", []),
+        ("茄子是紫色的", [("茄子", "茄子")]),
+        ("", []),
+        ("没有实体", []),
+    ],
+)
+def test_link_spans(linker: EntityLinker, text: str, expected: list[tuple[str, str]]) -> None:
+    assert _spans(linker, text) == expected
+
+
+def test_entity_inside_a_word_only_when_word_check_is_on() -> None:
+    plain = EntityLinker({"番茄": 0}, word_check=False)
+    checked = EntityLinker({"番茄": 0})
+    assert [s.surface for s in plain.link("番茄酱")] == ["番茄"]
+    assert checked.link("番茄酱") == []
+    assert checked.link("番茄，酱") == [EntitySpan(0, 2, 0, "番茄")]
+
+
+def test_private_jieba_leaves_global_dictionary_alone() -> None:
+    import jieba
+
+    linker = EntityLinker({"蓝莓番茄塔": 7})
+    assert linker.link("一个蓝莓番茄塔") == [EntitySpan(2, 7, 7, "蓝莓番茄塔")]
+    assert linker.tokenizer is not jieba.dt
+    assert "蓝莓番茄塔" not in jieba.lcut("一个蓝莓番茄塔", HMM=False)
+
+
+def test_normalize_keeps_length_and_folds_forms() -> None:
+    text = "ＡＢＣ　蕃茄醬 西紅柿 Ａｂｃ ß"
+    out = normalize(text)
+    assert len(out) == len(text)
+    assert out == "abc 蕃茄酱 西红柿 abc ß"
+
+
+def test_store_round_trip_then_link(tmp_path: Path) -> None:
+    store = KnowledgeStore.from_arrays(
+        NAMES, ["r"], torch.zeros(len(NAMES), 2), torch.zeros(1, 2), aliases=ALIASES
+    )
+    loaded = KnowledgeStore.load(store.save(tmp_path / "kg"))
+    spans = EntityLinker.from_store(loaded).link("西紅柿炒蛋")
+    assert [(s.start, s.end, loaded.entity_names[s.entity_id]) for s in spans] == [(0, 3, "番茄")]

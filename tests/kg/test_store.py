@@ -1,0 +1,118 @@
+"""KnowledgeStore: exact round trip through the folder format, lazy + memory-mapped, no pickle."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapiddiff.kg.store import KnowledgeStore
+
+
+def _store() -> KnowledgeStore:
+    gen = torch.Generator().manual_seed(1)
+    names = ["番茄", "红色", "圆形", "香蕉", "ＡＢＣ"]
+    return KnowledgeStore.from_arrays(
+        names,
+        ["颜色", "形状"],
+        torch.randn(5, 8, generator=gen),
+        torch.randn(2, 8, generator=gen),
+        triples=[(0, 0, 1), (0, 1, 2), (3, 1, 2)],
+        aliases={"番茄": ["西红柿", "蕃茄"], "ＡＢＣ": ["abc公司"]},
+        config={"model": "TransE", "metrics": {"hits_at_10": 0.5}},
+    )
+
+
+def test_round_trip_is_exact(tmp_path: Path) -> None:
+    store = _store()
+    store.save(tmp_path / "kg")
+    loaded = KnowledgeStore.load(tmp_path / "kg")
+    assert loaded.entity_names == store.entity_names
+    assert loaded.relation_names == store.relation_names
+    assert loaded.aliases == [["西红柿", "蕃茄"], [], [], [], ["abc公司"]]
+    assert torch.equal(loaded.entity_vectors, store.entity_vectors)
+    assert torch.equal(loaded.relation_vectors, store.relation_vectors)
+    assert loaded.entity_vectors.dtype == torch.float32
+    assert torch.equal(loaded.triples, store.triples)
+    assert loaded.dim == 8 and len(loaded) == 5
+    assert loaded.config["metrics"] == {"hits_at_10": 0.5}
+    assert loaded.config["n_triples"] == 3
+    # and the files are the documented, human-readable ones
+    assert (tmp_path / "kg" / "entities.tsv").read_text(encoding="utf-8").splitlines()[
+        1
+    ] == "0\t番茄\t西红柿|蕃茄"
+    assert "番茄\t形状\t圆形" in (tmp_path / "kg" / "triples.tsv").read_text(encoding="utf-8")
+    assert json.loads((tmp_path / "kg" / "config.json").read_text())["dim"] == 8
+
+
+def test_lookup_and_facts(tmp_path: Path) -> None:
+    loaded = KnowledgeStore.load(_store().save(tmp_path / "kg"))
+    assert loaded.id_of("番茄") == 0
+    assert loaded.id_of("西红柿") == 0
+    assert loaded.id_of("西紅柿") == 0  # traditional form, via normalisation
+    assert loaded.id_of("abc") == 4  # full-width name, half-width lower-case query
+    assert loaded.id_of("苹果") is None
+    assert loaded.facts(0) == [(0, 1), (1, 2)]
+    assert loaded.facts(3) == [(1, 2)]
+    assert loaded.facts(2) == []
+    assert torch.equal(loaded.vector("蕃茄"), loaded.entity_vectors[0])
+    with pytest.raises(KeyError, match="苹果"):
+        loaded.vector("苹果")
+
+
+def test_load_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _store().save(tmp_path / "kg")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("KnowledgeStore.load unpickled something")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    loaded = KnowledgeStore.load(tmp_path / "kg")
+    _ = (
+        loaded.entity_names,
+        loaded.triples,
+        loaded.facts(0),
+        loaded.id_of("番茄"),
+        loaded.entity_vectors.sum(),
+    )
+    assert not list((tmp_path / "kg").glob("*.pkl"))
+
+
+def test_vectors_are_memory_mapped_and_names_lazy(tmp_path: Path) -> None:
+    _store().save(tmp_path / "kg")
+    loaded = KnowledgeStore.load(tmp_path / "kg")
+    assert loaded._entity_names is None and loaded._triples is None  # nothing read yet
+    # the tensor's memory lies inside a mapping of the safetensors file (Linux /proc/self/maps)
+    ptr = loaded.entity_vectors.data_ptr()
+    file = str((tmp_path / "kg" / "entity_embeddings.safetensors").resolve())
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+    ranges = [tuple(int(x, 16) for x in m[0].split("-")) for m in maps if len(m) >= 6 and m[5] == file]
+    assert any(lo <= ptr < hi for lo, hi in ranges), "entity vectors are not memory-mapped"
+    # copy-on-write: writing to the tensor must not change the file
+    loaded.entity_vectors[0, 0] = 123.0
+    again = KnowledgeStore.load(tmp_path / "kg")
+    assert again.entity_vectors[0, 0] != 123.0
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unique"):
+        KnowledgeStore.from_arrays(["a", "a"], ["r"], torch.zeros(2, 4), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"entity_vectors must be \[3, dim\]"):
+        KnowledgeStore.from_arrays(["a", "b", "c"], ["r"], torch.zeros(2, 4), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="ids outside"):
+        KnowledgeStore.from_arrays(["a"], ["r"], torch.zeros(1, 4), torch.zeros(1, 4), triples=[(0, 0, 5)])
+    with pytest.raises(ValueError, match="separator"):
+        KnowledgeStore.from_arrays(["a"], ["r"], torch.zeros(1, 4), torch.zeros(1, 4), aliases=[["x|y"]])
+    with pytest.raises(FileNotFoundError, match="not a KnowledgeStore folder"):
+        (tmp_path / "empty").mkdir()
+        KnowledgeStore.load(tmp_path / "empty")
+    store_dir = _store().save(tmp_path / "kg")
+    (store_dir / "entity_embeddings.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        KnowledgeStore.load(store_dir)

@@ -1,0 +1,83 @@
+"""Triples/alias TSV readers: good files parse, every bad line is named by file and line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from rapiddiff.kg.triples import KGFormatError, read_aliases, read_triples, write_triples
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+    return path
+
+
+def test_reads_comments_blank_lines_bom_and_drops_duplicates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _write(
+        tmp_path / "t.tsv",
+        "\ufeff# head\trelation\ttail\n番茄\t颜色\t红色\n\n番茄\t颜色\t红色\r\n  # note\n香蕉\t颜色\t 黄色 \n番茄\t颜色\t红色\n",
+    )
+    with caplog.at_level(logging.INFO, logger="rapiddiff"):
+        triples = read_triples(path)
+    assert triples == [("番茄", "颜色", "红色"), ("香蕉", "颜色", "黄色")]
+    assert "2 triples read, 2 duplicates dropped" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "needle"),
+    [
+        ("a\tr\tb\na\tr\n", 2, "expected 3 tab-separated columns"),
+        ("a\tr\tb\tc\n", 1, "got 4"),
+        ("# c\na\t\tb\n", 2, "column 2 is empty"),
+        (b"a\tr\tb\nx\tr\t\xb7\xac\n", 2, "not valid UTF-8"),
+        ("\n\n# only comments\n", None, "no triples found"),
+    ],
+)
+def test_triples_errors_name_file_and_line(
+    tmp_path: Path, body: str | bytes, line: int | None, needle: str
+) -> None:
+    path = _write(tmp_path / "bad.tsv", body)
+    with pytest.raises(KGFormatError) as err:
+        read_triples(path)
+    where = f"{path}:{line}:" if line else f"{path}:"
+    assert where in str(err.value) and needle in str(err.value)
+
+
+def test_missing_file_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="triples file not found"):
+        read_triples(tmp_path / "nope.tsv")
+
+
+def test_aliases_merge_and_check_entities(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.tsv", "# aliases\n番茄\t西红柿|蕃茄\n番茄\t蕃茄|番茄\nＡＢＣ\tabc\n")
+    assert read_aliases(path) == {"番茄": ["西红柿", "蕃茄"], "ＡＢＣ": ["abc"]}
+    with pytest.raises(KGFormatError, match=rf"{path}:4: alias line for unknown entity 'ＡＢＣ'"):
+        read_aliases(path, entities={"番茄", "红色"})
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ("番茄\t西红柿||x\n", "empty alias"),
+        ("番茄\n", "expected 2 tab-separated columns"),
+        ("番茄\ta\tb\n", "got 3"),
+    ],
+)
+def test_alias_errors(tmp_path: Path, body: str, needle: str) -> None:
+    path = _write(tmp_path / "a.tsv", body)
+    with pytest.raises(KGFormatError, match=needle) as err:
+        read_aliases(path)
+    assert f"{path}:1:" in str(err.value)
+
+
+def test_write_then_read_round_trips(tmp_path: Path) -> None:
+    triples = [("番茄", "颜色", "红色"), ("New York", "in", "USA")]
+    write_triples(tmp_path / "t.tsv", triples, header="head\trelation\ttail")
+    assert read_triples(tmp_path / "t.tsv") == triples
+    with pytest.raises(ValueError, match="cannot be written"):
+        write_triples(tmp_path / "u.tsv", [("a\tb", "r", "c")])
