@@ -1,0 +1,153 @@
+"""Knowledge fusion: what an entity's KG knowledge adds to the hidden states of its tokens.
+
+An entity's knowledge is a small set of vectors from the TransE store: its own vector ``e`` and
+one relational translation ``e + r`` for each relation it has (TransE puts ``e + r`` near the
+tail, so for 番茄 ``e + r(颜色)`` lands near 红色). Each vector goes through the same small MLP
+(a shared per-item encoder, as in Deep Sets), and the results are mean-pooled over the valid
+items. Sharing the MLP is what lets knowledge transfer: the MLP learns what 红色's own vector
+means from every caption that links 红色, and a held-out entity's ``e + r(颜色)`` arrives as a
+vector close to it. Each fused layer then has its own output projection and a scalar gate that
+starts at zero, so at initialisation nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FusionConfig:
+    """Shape of a :class:`KnowledgeFusion` module (saved as ``knowledge/fusion_config.json``)."""
+
+    kg_dim: int
+    """Width of the TransE vectors in the KnowledgeStore."""
+    hidden_size: int
+    """Width of the text tower's hidden states the knowledge is added to."""
+    num_layers: int = 1
+    """How many encoder layers receive knowledge (one projection and one gate each)."""
+    max_relations: int = 8
+    """At most this many relations per entity become ``e + r`` items (the rest are dropped)."""
+    mlp_dim: int = 0
+    """Width of the shared per-item MLP; 0 means ``hidden_size``."""
+
+    def __post_init__(self) -> None:
+        for name in ("kg_dim", "hidden_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FusionConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_relations < 0:
+            raise ValueError(f"FusionConfig.max_relations must be >= 0, got {self.max_relations}")
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def relation_table(triples: torch.Tensor, num_entities: int, max_relations: int) -> torch.Tensor:
+    """For each head entity, the ids of up to ``max_relations`` distinct relations it has.
+
+    ``triples`` is [T, 3] (head, relation, tail). Returns a long tensor [num_entities,
+    max_relations] padded with -1; relations are kept in ascending id order. Vectorised, so a
+    KG with millions of triples takes one sort, not a Python loop.
+    """
+    table = torch.full((num_entities, max_relations), -1, dtype=torch.long)
+    if triples.numel() == 0 or max_relations == 0:
+        return table
+    heads, rels = triples[:, 0].long(), triples[:, 1].long()
+    num_rel = int(rels.max()) + 1
+    keys = torch.unique(heads * num_rel + rels)  # sorted: by head, then relation; duplicates gone
+    heads, rels = keys // num_rel, keys % num_rel
+    counts = torch.bincount(heads, minlength=num_entities)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(len(keys)) - starts[heads]  # position of this relation within its head
+    keep = rank < max_relations
+    table[heads[keep], rank[keep]] = rels[keep]
+    return table
+
+
+class KnowledgeFusion(nn.Module):
+    """Entity ids per token → one additive delta per fused layer, zero outside entity spans."""
+
+    def __init__(self, config: FusionConfig) -> None:
+        super().__init__()
+        self.config = config
+        width = config.mlp_dim or config.hidden_size
+        # LayerNorm first: TransE vectors are unit-norm (tiny entries); the norm also keeps
+        # e + r comparable to the tail's own vector after scaling.
+        self.item_mlp = nn.Sequential(
+            nn.LayerNorm(config.kg_dim),
+            nn.Linear(config.kg_dim, width),
+            nn.GELU(),
+            nn.Linear(width, width),
+        )
+        self.out_proj = nn.ModuleList(nn.Linear(width, config.hidden_size) for _ in range(config.num_layers))
+        self.gates = nn.Parameter(torch.zeros(config.num_layers))
+        # The store's tables: not learned and saved with the store, so not persistent here.
+        self.register_buffer("entity_vectors", torch.zeros(0, config.kg_dim), persistent=False)
+        self.register_buffer("relation_vectors", torch.zeros(0, config.kg_dim), persistent=False)
+        self.register_buffer(
+            "entity_relations", torch.zeros(0, config.max_relations, dtype=torch.long), persistent=False
+        )
+
+    @property
+    def num_entities(self) -> int:
+        return self.entity_vectors.shape[0]
+
+    def set_knowledge(
+        self, entity_vectors: torch.Tensor, relation_vectors: torch.Tensor, triples: torch.Tensor
+    ) -> None:
+        """Load a store's vectors and facts (kept on the module's device)."""
+        if entity_vectors.shape[-1] != self.config.kg_dim or relation_vectors.shape[-1] != self.config.kg_dim:
+            raise ValueError(
+                f"knowledge store vectors have width {entity_vectors.shape[-1]} (relations "
+                f"{relation_vectors.shape[-1]}), but the fusion weights expect kg_dim={self.config.kg_dim}; "
+                "use the store these fusion weights were trained with"
+            )
+        device = self.gates.device
+        table = relation_table(triples.cpu(), entity_vectors.shape[0], self.config.max_relations)
+        self.entity_vectors = entity_vectors.detach().float().to(device)
+        self.relation_vectors = relation_vectors.detach().float().to(device)
+        self.entity_relations = table.to(device)
+
+    def entity_items(self, entity_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Knowledge items of entities [E] → vectors [E, 1 + K, kg_dim] and a validity mask [E, 1 + K].
+
+        Item 0 is ``e``; items 1..K are ``e + r`` for the entity's relations (masked where absent).
+        """
+        e = self.entity_vectors[entity_ids]  # (E, d)
+        rel_ids = self.entity_relations[entity_ids]  # (E, K)
+        has_rel = rel_ids >= 0
+        r = self.relation_vectors[rel_ids.clamp(min=0)]  # (E, K, d)
+        items = torch.cat([e.unsqueeze(1), e.unsqueeze(1) + r], dim=1)  # (E, 1 + K, d)
+        mask = torch.cat([torch.ones_like(has_rel[:, :1]), has_rel], dim=1)
+        return items, mask
+
+    def entity_features(self, entity_ids: torch.Tensor) -> torch.Tensor:
+        """Pooled knowledge of entities [E] → [E, mlp_dim] (masked mean of the shared MLP)."""
+        items, mask = self.entity_items(entity_ids)
+        h = self.item_mlp(items)  # (E, 1 + K, W)
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return (h * m).sum(1) / m.sum(1)
+
+    def forward(self, token_entity_ids: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """[B, L] entity ids (-1 = none) → one delta [B, L, hidden_size] per fused layer."""
+        if self.num_entities == 0:
+            raise RuntimeError("KnowledgeFusion has no knowledge loaded; call set_knowledge(...) first")
+        if token_entity_ids.numel() and int(token_entity_ids.max()) >= self.num_entities:
+            raise ValueError(
+                f"token_entity_ids refer to entity {int(token_entity_ids.max())}, but the store has "
+                f"{self.num_entities} entities; were the ids made with a different store?"
+            )
+        dtype = dtype or self.gates.dtype
+        linked = token_entity_ids >= 0
+        ids, inverse = torch.unique(token_entity_ids[linked], return_inverse=True)
+        features = self.entity_features(ids)  # (U, W): each distinct entity once
+        deltas = []
+        for proj, gate in zip(self.out_proj, self.gates, strict=True):
+            per_entity = gate * proj(features)  # (U, H)
+            delta = per_entity.new_zeros(*token_entity_ids.shape, per_entity.shape[-1])
+            delta[linked] = per_entity[inverse]
+            deltas.append(delta.to(dtype))
+        return deltas

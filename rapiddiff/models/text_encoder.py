@@ -1,0 +1,456 @@
+"""KnowledgeTextEncoder: a Chinese (or any) transformers text tower with KG knowledge fused in.
+
+The base tower is used as it is (``BertModel`` — e.g. Taiyi's text encoder —,
+``ChineseCLIPTextModel`` or ``CLIPTextModel``); its ``forward`` is never changed. Knowledge
+enters through forward pre-hooks on the chosen encoder layers: for every token inside a linked
+entity span, ``gate * proj(knowledge(entity))`` is added to that layer's input hidden state
+(see :mod:`rapiddiff.models.fusion`). The gates start at zero, and ``knowledge=False`` skips
+the hooks' work entirely, so both give the base encoder's output exactly.
+
+Folder layout written by :meth:`KnowledgeTextEncoder.save_pretrained` (the diffusers one, plus
+``knowledge/``)::
+
+    text_encoder/   transformers model (+ rapiddiff_encoder.json, output_projection.safetensors)
+    tokenizer/      transformers tokenizer
+    knowledge/      store/ (KnowledgeStore), fusion.safetensors, fusion_config.json
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
+from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
+from rapiddiff.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = get_logger(__name__)
+
+SETTINGS_FILE = "rapiddiff_encoder.json"
+PROJECTION_FILE = "output_projection.safetensors"
+FUSION_FILE = "fusion.safetensors"
+FUSION_CONFIG_FILE = "fusion_config.json"
+
+# transformers model_type → class name of the text tower to load from a text_encoder/ folder
+_TEXT_MODEL_CLASSES = {
+    "bert": "BertModel",
+    "roberta": "BertModel",  # Chinese RoBERTa-wwm checkpoints are BERT-architecture
+    "chinese_clip_text_model": "ChineseCLIPTextModel",
+    "clip_text_model": "CLIPTextModel",
+}
+
+
+def chinese_bert_vocab_path() -> Path:
+    """The real 21,128-token Chinese BERT vocabulary shipped with the ``cn-clip`` package."""
+    spec = importlib.util.find_spec("cn_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the cn-clip package is not installed; `pip install cn-clip` ships the Chinese vocab"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "clip" / "vocab.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"cn-clip is installed but its vocabulary is missing: {path}")
+    return path
+
+
+def chinese_bert_tokenizer(model_max_length: int = 77) -> PreTrainedTokenizerBase:
+    """A fast BERT tokenizer (with offsets) on the Chinese BERT vocabulary, for models trained here."""
+    from transformers import BertTokenizerFast
+
+    # from_pretrained on the folder works on transformers 4 and 5 alike (5 ignores vocab_file=).
+    return BertTokenizerFast.from_pretrained(
+        str(chinese_bert_vocab_path().parent), model_max_length=model_max_length
+    )
+
+
+def encoder_layers(text_model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of a BERT-family or CLIP text tower, in order."""
+    for path in ("encoder.layer", "text_model.encoder.layers", "encoder.layers"):
+        module: Any = text_model
+        try:
+            for attr in path.split("."):
+                module = getattr(module, attr)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise TypeError(
+        f"{type(text_model).__name__}: cannot find its encoder layers; expected a BertModel, "
+        "ChineseCLIPTextModel or CLIPTextModel"
+    )
+
+
+def _tower_width(text_model: nn.Module) -> int:
+    return int(text_model.config.hidden_size)
+
+
+class KnowledgeTextEncoder(nn.Module):
+    """Text tower + tokenizer + optional KnowledgeStore; outputs last hidden states [B, L, hidden_size].
+
+    Args:
+        text_model: a transformers ``BertModel``, ``ChineseCLIPTextModel`` or ``CLIPTextModel``.
+        tokenizer: its tokenizer; a fast one (offsets) is needed to link entities.
+        store: a ``KnowledgeStore``; ``None`` gives the base encoder.
+        fusion_layers: indices of the encoder layers whose *input* receives knowledge
+            (0 = the embedding output).
+        out_dim: output width; a linear projection is added when it differs from the tower's.
+        max_length: tokens per prompt (padded and truncated to it); default: the tokenizer's
+            ``model_max_length`` (what diffusers' StableDiffusionPipeline pads to), capped by the
+            tower's position embeddings.
+        max_relations: ``e + r`` items per entity.
+        use_attention_mask: pass the padding mask to the tower. Default: the text config's
+            ``use_attention_mask`` if set (diffusers reads the same flag), else False — SD 1.x
+            and Taiyi pipelines encode without it, and pretrained weights expect that.
+        linker: an ``EntityLinker``; default ``EntityLinker.from_store(store)``.
+        fusion: fusion weights to use (e.g. loaded); default a fresh module (gates at zero).
+    """
+
+    def __init__(
+        self,
+        text_model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        store: Any = None,
+        *,
+        fusion_layers: Sequence[int] = (0,),
+        out_dim: int | None = None,
+        max_length: int | None = None,
+        max_relations: int = 8,
+        use_attention_mask: bool | None = None,
+        linker: Any = None,
+        fusion: KnowledgeFusion | None = None,
+    ) -> None:
+        super().__init__()
+        self.text_model = text_model
+        self.tokenizer = tokenizer
+        layers = encoder_layers(text_model)
+        self.fusion_layers = [int(i) for i in fusion_layers]
+        for i in self.fusion_layers:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"fusion layer {i} out of range: the text tower has {len(layers)} layers")
+        if len(set(self.fusion_layers)) != len(self.fusion_layers):
+            raise ValueError(f"fusion_layers has duplicates: {self.fusion_layers}")
+        width = _tower_width(text_model)
+        self.output_projection = nn.Linear(width, out_dim) if out_dim and out_dim != width else None
+        positions = getattr(text_model.config, "max_position_embeddings", None)
+        if max_length is None:
+            max_length = int(min(tokenizer.model_max_length, positions or 512))
+        if positions is not None and max_length > positions:
+            raise ValueError(f"max_length={max_length} exceeds the tower's {positions} position embeddings")
+        self.max_length = int(max_length)
+        if use_attention_mask is None:
+            use_attention_mask = bool(getattr(text_model.config, "use_attention_mask", False))
+        self.use_attention_mask = use_attention_mask
+        self.max_relations = max_relations
+        self.knowledge = True
+        self.store = None
+        self.linker = None
+        self.fusion: KnowledgeFusion | None = None
+        self._deltas: dict[int, torch.Tensor] | None = None  # set only while forward runs
+        for i in self.fusion_layers:
+            layers[i].register_forward_pre_hook(functools.partial(self._add_knowledge, i), with_kwargs=True)
+        if store is not None:
+            self.set_store(store, linker=linker, fusion=fusion)
+
+    # ------------------------------------------------------------------ knowledge
+    def set_store(self, store: Any, *, linker: Any = None, fusion: KnowledgeFusion | None = None) -> None:
+        """Attach a KnowledgeStore (and its linker); a new fusion module starts with gates at zero."""
+        if fusion is None:
+            fusion = KnowledgeFusion(
+                FusionConfig(
+                    kg_dim=int(store.dim),
+                    hidden_size=_tower_width(self.text_model),
+                    num_layers=len(self.fusion_layers),
+                    max_relations=self.max_relations,
+                )
+            )
+        elif fusion.config.num_layers != len(self.fusion_layers):
+            raise ValueError(
+                f"fusion weights are for {fusion.config.num_layers} layers, fusion_layers has {len(self.fusion_layers)}"
+            )
+        param = next(self.text_model.parameters())
+        fusion = fusion.to(param.device)
+        fusion.set_knowledge(store.entity_vectors, store.relation_vectors, store.triples)
+        if linker is None:
+            from rapiddiff.kg.linker import EntityLinker
+
+            linker = EntityLinker.from_store(store)
+        self.store, self.linker, self.fusion = store, linker, fusion
+        if not getattr(self.tokenizer, "is_fast", False):
+            log.warning(
+                "tokenizer %s is not a fast tokenizer: no character offsets, so entities cannot be "
+                "linked and knowledge has no effect; load a *TokenizerFast",
+                type(self.tokenizer).__name__,
+            )
+
+    @property
+    def has_knowledge(self) -> bool:
+        return self.knowledge and self.fusion is not None
+
+    def _add_knowledge(
+        self, index: int, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        delta = self._deltas.get(index) if self._deltas else None
+        if delta is None:
+            return None
+        if args:
+            args = (args[0] + delta.to(args[0].dtype), *args[1:])
+        else:
+            kwargs = {
+                **kwargs,
+                "hidden_states": kwargs["hidden_states"] + delta.to(kwargs["hidden_states"].dtype),
+            }
+        return args, kwargs
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def hidden_size(self) -> int:
+        """Output width (what a U-Net's cross_attention_dim must equal)."""
+        if self.output_projection is not None:
+            return self.output_projection.out_features
+        return _tower_width(self.text_model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.text_model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.text_model.parameters()).dtype
+
+    # ------------------------------------------------------------------ text → tensors
+    def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Prompts → input_ids, attention_mask [B, max_length] and token_entity_ids (-1 = none)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        fast = bool(getattr(self.tokenizer, "is_fast", False))
+        enc = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.max_length,
+            truncation=True,
+            return_offsets_mapping=fast,
+            return_tensors="pt",
+        )
+        self._warn_truncated(prompts, enc["input_ids"])
+        ids = torch.full(enc["input_ids"].shape, -1, dtype=torch.long)
+        if self.linker is not None and fast:
+            offsets = enc["offset_mapping"]
+            for b, text in enumerate(prompts):
+                for span in self.linker.link(text):
+                    start, end = offsets[b, :, 0], offsets[b, :, 1]
+                    # A token belongs to a span when their character ranges overlap; special and
+                    # padding tokens have empty (0, 0) ranges and never do.
+                    inside = (end > start) & (start < span.end) & (end > span.start)
+                    ids[b, inside] = span.entity_id
+        return {
+            "input_ids": enc["input_ids"],
+            "attention_mask": enc["attention_mask"],
+            "token_entity_ids": ids,
+        }
+
+    def _warn_truncated(self, prompts: list[str], input_ids: torch.Tensor) -> None:
+        full = self.tokenizer(prompts, truncation=False, add_special_tokens=True)["input_ids"]
+        for text, ids in zip(prompts, full, strict=True):
+            if len(ids) > self.max_length:
+                kept = self.tokenizer.decode(ids[: self.max_length], skip_special_tokens=True)
+                log.warning(
+                    "prompt truncated to %d tokens: %d of %d tokens dropped (kept: %r; prompt: %r)",
+                    self.max_length,
+                    len(ids) - self.max_length,
+                    len(ids),
+                    kept,
+                    text,
+                )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_entity_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids [B, L] → last hidden states [B, L, hidden_size] (knowledge added where linked)."""
+        deltas = None
+        if self.has_knowledge and token_entity_ids is not None:
+            assert self.fusion is not None
+            deltas = self.fusion(token_entity_ids.to(input_ids.device), dtype=self.dtype)
+        mask = attention_mask if self.use_attention_mask else None
+        self._deltas = dict(zip(self.fusion_layers, deltas, strict=True)) if deltas else None
+        try:
+            hidden = self.text_model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # (B, L, W)
+        finally:
+            self._deltas = None
+        if self.output_projection is not None:
+            hidden = self.output_projection(hidden)  # (B, L, out_dim)
+        return hidden
+
+    def encode(self, prompts: Sequence[str]) -> torch.Tensor:
+        """Tokenize and run on the module's device → [B, L, hidden_size]."""
+        batch = {k: v.to(self.device) for k, v in self.tokenize(prompts).items()}
+        return self(**batch)
+
+    # ------------------------------------------------------------------ save / load
+    def settings(self) -> dict[str, Any]:
+        return {
+            "fusion_layers": self.fusion_layers,
+            "out_dim": self.output_projection.out_features if self.output_projection is not None else None,
+            "max_length": self.max_length,
+            "max_relations": self.max_relations,
+            "use_attention_mask": self.use_attention_mask,
+        }
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        """Write text_encoder/, tokenizer/ and (with a store) knowledge/ under ``model_dir``."""
+        model_dir = Path(model_dir)
+        text_dir = model_dir / "text_encoder"
+        self.text_model.save_pretrained(text_dir, safe_serialization=True)
+        atomic_write_text(text_dir / SETTINGS_FILE, json.dumps(self.settings(), indent=2) + "\n")
+        if self.output_projection is not None:
+            save_safetensors(self.output_projection.state_dict(), text_dir / PROJECTION_FILE)
+        save_tokenizer(self.tokenizer, model_dir / "tokenizer")
+        if self.store is not None and self.fusion is not None:
+            kdir = model_dir / "knowledge"
+            self.store.save(kdir / "store")
+            save_safetensors(self.fusion.state_dict(), kdir / FUSION_FILE)
+            atomic_write_text(
+                kdir / FUSION_CONFIG_FILE, json.dumps(self.fusion.config.to_dict(), indent=2) + "\n"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        knowledge: bool = True,
+        *,
+        store: Any = None,
+        **overrides: Any,
+    ) -> KnowledgeTextEncoder:
+        """Load a rapiddiff, Taiyi-style (BertModel) or SD 1.x (CLIPTextModel) model folder.
+
+        A ChineseCLIPModel folder (OFA-Sys format) is passed on to :meth:`from_chinese_clip`.
+        ``knowledge=False`` switches fusion off (the store is still loaded when present).
+        ``store`` replaces the folder's own KnowledgeStore; ``overrides`` go to the constructor.
+        """
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder not found: {model_dir}")
+        text_dir = model_dir / "text_encoder"
+        if not (text_dir / "config.json").is_file():
+            if _model_type(model_dir / "config.json") == "chinese_clip":
+                return cls.from_chinese_clip(model_dir, store=store, knowledge=knowledge, **overrides)
+            raise FileNotFoundError(
+                f"{model_dir}: no text_encoder/config.json; expected a rapiddiff or diffusers model folder "
+                "(text_encoder/ + tokenizer/) or a ChineseCLIPModel folder (config.json of model_type chinese_clip)"
+            )
+        text_model = load_text_model(text_dir)
+        tok_dir = model_dir / "tokenizer"
+        if not tok_dir.is_dir():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer/ folder beside text_encoder/")
+        tokenizer = load_tokenizer(tok_dir)
+        saved: dict[str, Any] = {}
+        if (text_dir / SETTINGS_FILE).is_file():
+            saved = json.loads((text_dir / SETTINGS_FILE).read_text(encoding="utf-8"))
+        settings = {**saved, **overrides}
+        fusion = None
+        kdir = model_dir / "knowledge"
+        if (kdir / FUSION_CONFIG_FILE).is_file():
+            fusion = load_fusion(kdir)
+            if store is None:
+                from rapiddiff.kg.store import KnowledgeStore
+
+                store = KnowledgeStore.load(kdir / "store")
+        encoder = cls(text_model, tokenizer, store, fusion=fusion, **settings)
+        # A saved projection is loaded; one that out_dim= newly asks for starts fresh.
+        if encoder.output_projection is not None and settings.get("out_dim") == saved.get("out_dim"):
+            proj = text_dir / PROJECTION_FILE
+            if not proj.is_file():
+                raise FileNotFoundError(
+                    f"{proj}: missing; {SETTINGS_FILE} says out_dim={saved.get('out_dim')}"
+                )
+            encoder.output_projection.load_state_dict(load_weights(proj))
+        encoder.knowledge = knowledge
+        return encoder
+
+    @classmethod
+    def from_chinese_clip(
+        cls, path: str | Path, store: Any = None, *, knowledge: bool = True, **kwargs: Any
+    ) -> KnowledgeTextEncoder:
+        """The text tower and tokenizer of an OFA-Sys ``ChineseCLIPModel`` folder."""
+        from transformers import ChineseCLIPModel
+
+        path = Path(path)
+        if _model_type(path / "config.json") != "chinese_clip":
+            raise ValueError(
+                f"{path}: not a ChineseCLIPModel folder (config.json model_type must be chinese_clip)"
+            )
+        model = ChineseCLIPModel.from_pretrained(str(path), use_safetensors=None)
+        encoder = cls(model.text_model, load_tokenizer(path), store, **kwargs)
+        encoder.knowledge = knowledge
+        return encoder
+
+
+def _model_type(config_path: Path) -> str | None:
+    if not config_path.is_file():
+        return None
+    try:
+        return json.loads(config_path.read_text(encoding="utf-8")).get("model_type")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
+
+
+def load_text_model(text_dir: Path) -> PreTrainedModel:
+    """A text tower from a transformers folder, by its config's model_type."""
+    import transformers
+
+    model_type = _model_type(text_dir / "config.json")
+    name = _TEXT_MODEL_CLASSES.get(model_type or "")
+    if name is None:
+        raise ValueError(
+            f"{text_dir}/config.json: model_type {model_type!r} is not a supported text tower; "
+            f"supported: {', '.join(sorted(_TEXT_MODEL_CLASSES))}"
+        )
+    kwargs = {} if name == "CLIPTextModel" else {"add_pooling_layer": False}  # the pooler is never used
+    return getattr(transformers, name).from_pretrained(str(text_dir), **kwargs)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """AutoTokenizer, fast where one exists (offsets are needed for entity linking)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), use_fast=True)
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    """save_pretrained, plus vocab.txt for WordPiece tokenizers (slow BertTokenizer and older
+    transformers read only vocab.txt; transformers 5 writes tokenizer.json alone)."""
+    tokenizer.save_pretrained(str(path))
+    vocab_file = path / "vocab.txt"
+    if not vocab_file.exists() and type(tokenizer).__name__.startswith("BertTokenizer"):
+        vocab = tokenizer.get_vocab()
+        ordered = sorted(vocab.items(), key=lambda kv: kv[1])
+        if [i for _, i in ordered] == list(range(len(ordered))):
+            atomic_write_text(vocab_file, "".join(f"{tok}\n" for tok, _ in ordered))
+
+
+def load_fusion(kdir: Path) -> KnowledgeFusion:
+    cfg_path = kdir / FUSION_CONFIG_FILE
+    try:
+        config = FusionConfig(**json.loads(cfg_path.read_text(encoding="utf-8")))
+    except (TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{cfg_path}: not a valid fusion config ({err})") from err
+    fusion = KnowledgeFusion(config)
+    weights = kdir / FUSION_FILE
+    missing, unexpected = fusion.load_state_dict(load_weights(weights), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights}: does not match {cfg_path} (missing {missing}, unexpected {unexpected})")
+    return fusion

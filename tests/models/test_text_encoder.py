@@ -1,0 +1,180 @@
+"""KnowledgeTextEncoder: base-encoder parity at gate zero, span-local fusion, save/load, formats."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rapiddiff.kg.store import KnowledgeStore
+from rapiddiff.models.fusion import relation_table
+from rapiddiff.models.presets import bert_text_config
+from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
+
+PROMPT = "蓝色背景上有一个番茄和黄色的圆形"
+
+
+@pytest.fixture(scope="module")
+def store() -> KnowledgeStore:
+    names = ["番茄", "红色", "圆形", "柠檬", "黄色", "蓝色"]
+    g = torch.Generator().manual_seed(1)
+    triples = [(0, 0, 1), (0, 1, 2), (3, 0, 4), (3, 1, 2)]  # 番茄 颜色 红色, 番茄 形状 圆形, ...
+    return KnowledgeStore.from_arrays(
+        names, ["颜色", "形状"], torch.randn(6, 8, generator=g), torch.randn(2, 8, generator=g), triples
+    )
+
+
+def _bert_model():
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(**bert_text_config("tiny")), add_pooling_layer=False).eval()
+
+
+@pytest.fixture(scope="module")
+def taiyi_dir(tmp_path_factory):
+    """A Taiyi-style diffusers text side: BertModel text_encoder/ + BertTokenizer tokenizer/."""
+    root = tmp_path_factory.mktemp("taiyi")
+    torch.manual_seed(0)
+    _bert_model().save_pretrained(root / "text_encoder")
+    chinese_bert_tokenizer().save_pretrained(root / "tokenizer")
+    return root
+
+
+@pytest.fixture(scope="module")
+def chinese_clip_dir(tmp_path_factory):
+    """An OFA-Sys format folder: ChineseCLIPModel.save_pretrained + its BERT tokenizer."""
+    from transformers import ChineseCLIPConfig, ChineseCLIPModel
+
+    root = tmp_path_factory.mktemp("cnclip")
+    text = {**bert_text_config("tiny")}
+    vision = {"hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4, "num_hidden_layers": 2}
+    vision.update(image_size=32, patch_size=8)
+    config = ChineseCLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    torch.manual_seed(0)
+    ChineseCLIPModel(config).save_pretrained(root)
+    chinese_bert_tokenizer().save_pretrained(root)
+    return root
+
+
+def _base_output(encoder: KnowledgeTextEncoder, batch: dict) -> torch.Tensor:
+    mask = batch["attention_mask"] if encoder.use_attention_mask else None
+    return encoder.text_model(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
+
+
+def _load(kind: str, taiyi_dir, chinese_clip_dir, store, **kwargs) -> KnowledgeTextEncoder:
+    if kind == "bert":
+        return KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, **kwargs).eval()
+    return KnowledgeTextEncoder.from_chinese_clip(chinese_clip_dir, store, **kwargs).eval()
+
+
+@pytest.mark.parametrize("kind", ["bert", "chinese_clip"])
+def test_gate_zero_equals_base_encoder(kind, taiyi_dir, chinese_clip_dir, store):
+    encoder = _load(kind, taiyi_dir, chinese_clip_dir, store, fusion_layers=[0, 1], max_length=24)
+    batch = encoder.tokenize([PROMPT, "一个柠檬"])
+    assert (batch["token_entity_ids"] >= 0).sum() >= 6  # 番茄 黄色 圆形 柠檬: two tokens each
+    with torch.no_grad():
+        out = encoder(**batch)
+        torch.testing.assert_close(out, _base_output(encoder, batch), rtol=0, atol=0)
+        encoder.knowledge = False
+        torch.testing.assert_close(encoder(**batch), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["bert", "chinese_clip"])
+def test_nonzero_gate_changes_only_entity_tokens_at_first_fused_layer(
+    kind, taiyi_dir, chinese_clip_dir, store
+):
+    from rapiddiff.models.text_encoder import encoder_layers
+
+    encoder = _load(kind, taiyi_dir, chinese_clip_dir, store, fusion_layers=[1], max_length=24)
+    with torch.no_grad():
+        encoder.fusion.gates.fill_(1.0)
+    seen = []
+    # Registered after the fusion hook, so it sees the fused layer's input as the layer does.
+    encoder_layers(encoder.text_model)[1].register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].clone())
+    )
+    batch = encoder.tokenize([PROMPT])
+    with torch.no_grad():
+        fused = encoder(**batch)
+        encoder.knowledge = False
+        plain = encoder(**batch)
+    changed = (seen[0] - seen[1]).abs().amax(-1) > 0  # (B, L)
+    linked = batch["token_entity_ids"] >= 0
+    assert torch.equal(changed, linked)
+    tokens = encoder.tokenizer.convert_ids_to_tokens(batch["input_ids"][0][linked[0]].tolist())
+    assert "".join(tokens) == "蓝色番茄黄色圆形"
+    assert not torch.allclose(fused, plain)
+
+
+def test_tokenize_maps_entity_spans_to_tokens(taiyi_dir, store):
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24)
+    batch = encoder.tokenize([PROMPT])
+    ids = batch["token_entity_ids"][0]
+    tokens = encoder.tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
+    by_entity = {}
+    for tok, e in zip(tokens, ids.tolist(), strict=True):
+        if e >= 0:
+            by_entity.setdefault(store.entity_names[e], []).append(tok)
+    assert by_entity == {
+        "蓝色": ["蓝", "色"],
+        "番茄": ["番", "茄"],
+        "黄色": ["黄", "色"],
+        "圆形": ["圆", "形"],
+    }
+    assert batch["input_ids"].shape == (1, 24)
+    # no store, or no linker: no entity ids
+    plain = KnowledgeTextEncoder.from_pretrained(taiyi_dir, max_length=24)
+    assert (plain.tokenize([PROMPT])["token_entity_ids"] == -1).all()
+
+
+def test_save_load_roundtrip_with_knowledge_and_projection(tmp_path, taiyi_dir, store):
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, out_dim=48, max_length=20).eval()
+    with torch.no_grad():
+        encoder.fusion.gates.fill_(0.5)
+    assert encoder.hidden_size == 48
+    out = encoder.encode([PROMPT])
+    assert out.shape == (1, 20, 48)
+    encoder.save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m/knowledge/store").is_dir()
+    assert (tmp_path / "m/knowledge/fusion.safetensors").is_file()
+    assert (tmp_path / "m/tokenizer/vocab.txt").is_file()
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m").eval()
+    assert loaded.max_length == 20 and loaded.fusion_layers == [0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.encode([PROMPT]), out)
+        off = KnowledgeTextEncoder.from_pretrained(tmp_path / "m", knowledge=False).eval()
+        assert not torch.allclose(off.encode([PROMPT]), out)
+
+
+def test_long_prompt_is_truncated_with_a_warning(taiyi_dir, caplog):
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, max_length=8)
+    with caplog.at_level(logging.WARNING, logger="rapiddiff"):
+        batch = encoder.tokenize(["一二三四五六七八九十"])  # 10 chars + [CLS] [SEP] = 12 tokens
+    assert batch["input_ids"].shape == (1, 8)
+    assert "4 of 12 tokens dropped" in caplog.text
+
+
+def test_plain_sd_clip_folder_loads_and_links_with_fast_tokenizer(tmp_path, store):
+    from rapiddiff.models.presets import write_tiny_sd_folder
+
+    folder = write_tiny_sd_folder(tmp_path / "sd", text="clip")
+    encoder = KnowledgeTextEncoder.from_pretrained(folder, store=store).eval()
+    assert encoder.max_length == 77 and encoder.tokenizer.is_fast
+    batch = encoder.tokenize([PROMPT])
+    assert (batch["token_entity_ids"] >= 0).any()
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(**batch), _base_output(encoder, batch), rtol=0, atol=0)
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path, taiyi_dir):
+    with pytest.raises(FileNotFoundError, match=r"text_encoder/config\.json"):
+        KnowledgeTextEncoder.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="out of range"):
+        KnowledgeTextEncoder.from_pretrained(taiyi_dir, fusion_layers=[5])
+
+
+def test_relation_table_keeps_distinct_relations_per_head():
+    triples = torch.tensor([[0, 1, 2], [0, 0, 3], [0, 1, 4], [2, 2, 0], [0, 2, 1]])
+    table = relation_table(triples, num_entities=3, max_relations=2)
+    assert table.tolist() == [[0, 1], [-1, -1], [2, -1]]
