@@ -1,0 +1,199 @@
+"""The ×4 upscaler: ESRGAN's RRDBNet, built, saved and loaded through spandrel.
+
+Training builds the network with :func:`build_rrdb`, which returns spandrel's own ``RRDBNet``
+class; :func:`save_upscaler` writes its state dict as safetensors in the original ESRGAN
+("old-arch") key names (``model.0.weight``, ``model.1.sub.0.RDB1.conv1.0.weight``, ...), which
+spandrel detects. So what we train is exactly what spandrel (and chaiNNer, ComfyUI, ...) loads
+back, and :func:`load_upscaler` reads our files as well as published ESRGAN, BasicSR and
+Real-ESRGAN (``{"params_ema": ...}``) checkpoints.
+
+Loading never unpickles code: ``.pth``/``.pt``/``.ckpt`` go through
+:func:`rapiddiff.utils.io.load_weights` (``torch.load(weights_only=True)``), and only the
+resulting state dict is handed to spandrel's ``ModelLoader().load_from_state_dict``.
+(``ModelLoader().load_from_file`` would use spandrel's own restricted unpickler and also accepts
+TorchScript archives; we keep one loading rule for the whole project instead.)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rapiddiff.utils.io import load_weights, save_safetensors
+from rapiddiff.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = get_logger(__name__)
+
+UPSCALER_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
+# The file name an ``upscaler/`` folder of a model folder holds (others are found by suffix).
+UPSCALER_FILENAME = "upscaler.safetensors"
+
+
+def build_rrdb(
+    num_blocks: int = 23,
+    num_feat: int = 64,
+    num_grow_ch: int = 32,
+    scale: int = 4,
+    in_channels: int = 3,
+    out_channels: int = 3,
+) -> nn.Module:
+    """ESRGAN's RRDBNet (spandrel's class): ``num_blocks`` RRDBs of width ``num_feat``, ×``scale``.
+
+    The defaults are ESRGAN's and Real-ESRGAN x4plus's (23 blocks, 64 features, growth 32).
+    """
+    from spandrel.architectures.ESRGAN import ESRGAN
+
+    if num_grow_ch != 32:
+        # spandrel's RRDBNet fixes the dense-block growth at 32 (as every published ESRGAN does);
+        # a different value could be trained but never loaded back through spandrel.
+        raise ValueError(f"num_grow_ch={num_grow_ch}: spandrel's ESRGAN supports only 32")
+    if scale not in (1, 2, 3, 4, 8, 16):
+        raise ValueError(f"scale={scale}: ESRGAN supports 1, 2, 3, 4, 8 or 16")
+    if num_blocks < 1 or num_feat < 1:
+        raise ValueError(f"num_blocks={num_blocks}, num_feat={num_feat}: both must be ≥ 1")
+    return ESRGAN(
+        in_nc=in_channels,
+        out_nc=out_channels,
+        num_filters=num_feat,
+        num_blocks=num_blocks,
+        scale=scale,
+    )
+
+
+def save_upscaler(module: nn.Module, path: str | Path) -> Path:
+    """Write ``module``'s weights as safetensors in ESRGAN old-arch key names; returns the path.
+
+    A path without a ``.safetensors`` suffix is taken as a folder: ``path/upscaler.safetensors``.
+    """
+    from spandrel import MAIN_REGISTRY
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path = path / UPSCALER_FILENAME
+    state = dict(module.state_dict())
+    # Refuse to write a file we could not load back: spandrel must recognise the keys.
+    if not any(support.detect(state) for support in MAIN_REGISTRY):
+        raise ValueError(
+            f"cannot save {type(module).__name__} as an upscaler: spandrel does not recognise its "
+            "weights; build it with rapiddiff.models.upscaler.build_rrdb"
+        )
+    scale = getattr(module, "scale", None)
+    save_safetensors(state, path, metadata={"format": "pt", "architecture": "ESRGAN", "scale": str(scale)})
+    return path
+
+
+def find_upscaler_file(path: str | Path) -> Path:
+    """The weights file at ``path``: the file itself, or the single weights file in a folder."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        preferred = path / UPSCALER_FILENAME
+        if preferred.is_file():
+            return preferred
+        found = sorted(p for p in path.iterdir() if p.suffix in UPSCALER_SUFFIXES and p.is_file())
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise FileNotFoundError(
+                f"upscaler folder {path}: no weights file ({', '.join(UPSCALER_SUFFIXES)}) in it"
+            )
+        raise ValueError(
+            f"upscaler folder {path}: several weights files ({', '.join(p.name for p in found)}); "
+            f"name one, or keep only {UPSCALER_FILENAME}"
+        )
+    raise FileNotFoundError(f"upscaler weights not found: {path}")
+
+
+def load_upscaler(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Load an ESRGAN-family upscaler (or any architecture spandrel knows) in eval mode.
+
+    Accepts safetensors and weights-only ``.pth`` files with old-arch ESRGAN keys, new BasicSR
+    keys, or Real-ESRGAN's ``{"params_ema": ...}`` / ``{"params": ...}`` wrapping. A pickle that
+    needs arbitrary code raises :class:`rapiddiff.utils.io.UnsafeCheckpointError`.
+    The returned module has a ``scale`` attribute (its upscaling factor).
+    """
+    from spandrel import ModelLoader, UnsupportedModelError
+
+    file = find_upscaler_file(path)
+    state = load_weights(file)
+    state = _unwrap(state, file)
+    try:
+        descriptor = ModelLoader().load_from_state_dict(state)
+    except UnsupportedModelError as err:
+        raise ValueError(
+            f"{file}: not an upscaler architecture spandrel knows (ESRGAN, Real-ESRGAN, SwinIR, ...)"
+        ) from err
+    except Exception as err:
+        raise ValueError(f"{file}: could not build the upscaler from its weights ({err})") from err
+    module = descriptor.model
+    if not hasattr(module, "scale"):
+        module.scale = descriptor.scale
+    module.eval().requires_grad_(False)
+    return module.to(device)
+
+
+def _unwrap(state: dict[str, Any], file: Path) -> dict[str, Any]:
+    """Real-ESRGAN/BasicSR checkpoints wrap the weights: prefer the EMA copy, as they do."""
+    import torch
+
+    for key in ("params_ema", "params", "state_dict"):
+        inner = state.get(key)
+        if isinstance(inner, dict):
+            state = inner
+            break
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise ValueError(f"{file}: holds no tensors (keys: {', '.join(list(state)[:8])})")
+    return tensors
+
+
+def upscale(
+    module: nn.Module,
+    images: torch.Tensor,
+    *,
+    tile: int | None = None,
+    tile_pad: int = 16,
+) -> torch.Tensor:
+    """Upscale ``images`` [B, 3, H, W] in [0, 1]; returns [B, 3, H·s, W·s] clamped to [0, 1].
+
+    ``tile`` (pixels of input) processes the image in tiles of that size, each read with
+    ``tile_pad`` pixels of context on every side and cropped back, so memory stays bounded on
+    large images; with a pad at least the network's receptive field the result equals the
+    whole-image one. ``None`` runs the whole image at once.
+    """
+    import torch
+
+    param = next(module.parameters())
+    scale = int(getattr(module, "scale", 4))
+    x = images.to(device=param.device, dtype=param.dtype)
+    with torch.inference_mode():
+        if tile is None or (x.shape[-2] <= tile and x.shape[-1] <= tile):
+            out = module(x)
+        else:
+            out = _tiled(module, x, scale, tile, tile_pad)
+    return out.clamp(0, 1)
+
+
+def _tiled(module: nn.Module, x: torch.Tensor, scale: int, tile: int, pad: int) -> torch.Tensor:
+    # The same scheme as Real-ESRGAN's ``RealESRGANer.tile_process``: each tile is read with
+    # context, upscaled, and only its own (unpadded) region is written to the output.
+    b, c, h, w = x.shape
+    out = x.new_zeros(b, c, h * scale, w * scale)
+    for ty in range(math.ceil(h / tile)):
+        for tx in range(math.ceil(w / tile)):
+            y0, x0 = ty * tile, tx * tile
+            y1, x1 = min(y0 + tile, h), min(x0 + tile, w)
+            py0, px0 = max(y0 - pad, 0), max(x0 - pad, 0)
+            py1, px1 = min(y1 + pad, h), min(x1 + pad, w)
+            result = module(x[:, :, py0:py1, px0:px1])
+            oy, ox = (y0 - py0) * scale, (x0 - px0) * scale
+            out[:, :, y0 * scale : y1 * scale, x0 * scale : x1 * scale] = result[
+                :, :, oy : oy + (y1 - y0) * scale, ox : ox + (x1 - x0) * scale
+            ]
+    return out
