@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # metric → (module with add_arguments/run, one-line help)
-EVAL_COMMANDS: dict[str, tuple[str, str]] = {}
+EVAL_COMMANDS: dict[str, tuple[str, str]] = {
+    "recall": ("rapiddiff.eval.recall", "text↔image retrieval recall R@1/5/10 of a KnowledgeCLIP model"),
+}
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,226 @@
+"""``rapiddiff eval recall``: text→image and image→text retrieval recall (R@1/5/10, mean recall).
+
+The protocol is Chinese-CLIP's: features are L2-normalised, similarity is their dot product, and
+a query is a hit at K when any of its ground-truth items is among its top K. Equal scores are
+broken by id (the lower id ranks first), so the figures are deterministic. Ground truth: an
+image's captions, and for a caption every image that carries exactly that caption (identical
+captions are one query).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+KS = (1, 5, 10)
+
+
+def retrieval_recall(
+    similarity: torch.Tensor, ground_truth: Sequence[set[int]] | torch.Tensor, ks: Sequence[int] = KS
+) -> dict[str, float]:
+    """Recall@K in percent for each K, and their mean (``"mean"``).
+
+    ``similarity`` is [Q, N] (queries × gallery); ``ground_truth`` is one set of gallery ids per
+    query or a bool matrix [Q, N]. Ranking is by score, descending; ties go to the lower id.
+    """
+    import torch
+
+    sim = torch.as_tensor(similarity).float()
+    if sim.ndim != 2:
+        raise ValueError(f"similarity must be [queries, gallery], got shape {list(sim.shape)}")
+    q, n = sim.shape
+    if isinstance(ground_truth, torch.Tensor):
+        gt = ground_truth.bool()
+        if gt.shape != sim.shape:
+            raise ValueError(f"ground_truth matrix {list(gt.shape)} != similarity {list(sim.shape)}")
+    else:
+        if len(ground_truth) != q:
+            raise ValueError(f"ground_truth has {len(ground_truth)} entries for {q} queries")
+        gt = torch.zeros(q, n, dtype=torch.bool)
+        for i, items in enumerate(ground_truth):
+            for j in items:
+                if not 0 <= j < n:
+                    raise ValueError(f"ground truth id {j} of query {i} outside the gallery (0..{n - 1})")
+                gt[i, j] = True
+    if q and not gt.any(1).all():
+        raise ValueError(f"query {int((~gt.any(1)).nonzero()[0])} has no ground-truth item")
+    # A stable sort of -score keeps equal scores in id order: lower id first.
+    order = torch.sort(-sim, dim=1, stable=True).indices  # (Q, N)
+    hits_in_order = torch.gather(gt, 1, order)  # (Q, N): is the r-th ranked item a ground truth?
+    first_hit = hits_in_order.float().argmax(1)  # rank of the best-ranked ground truth
+    result = {f"R@{k}": 100.0 * float((first_hit < k).float().mean()) if q else 0.0 for k in ks}
+    result["mean"] = sum(result[f"R@{k}"] for k in ks) / len(ks)
+    return result
+
+
+def retrieval_report(
+    text_features: torch.Tensor,
+    image_features: torch.Tensor,
+    text_of_image: Sequence[int],
+    *,
+    query_texts: Sequence[int] | None = None,
+    ks: Sequence[int] = KS,
+) -> dict[str, Any]:
+    """Both directions from features: texts [T, D], images [I, D], ``text_of_image[i]`` = text id.
+
+    ``query_texts`` restricts the queries (texts for text→image, and the images of those texts
+    for image→text) while the galleries stay whole — used for seen / held-out breakdowns.
+    """
+    import torch
+
+    t = torch.nn.functional.normalize(text_features.float(), dim=-1)
+    v = torch.nn.functional.normalize(image_features.float(), dim=-1)
+    images_of_text: list[set[int]] = [set() for _ in range(len(t))]
+    for i, tid in enumerate(text_of_image):
+        images_of_text[tid].add(i)
+    texts = list(range(len(t))) if query_texts is None else sorted(set(query_texts))
+    texts = [tid for tid in texts if images_of_text[tid]]
+    wanted = set(texts)
+    images = [i for i, tid in enumerate(text_of_image) if tid in wanted]
+    t2i = retrieval_recall(t[texts] @ v.T, [images_of_text[tid] for tid in texts], ks)
+    i2t = retrieval_recall(v[images] @ t.T, [{text_of_image[i]} for i in images], ks)
+    return {
+        "text_to_image": t2i,
+        "image_to_text": i2t,
+        "mean_recall": (t2i["mean"] + i2t["mean"]) / 2,
+        "num_text_queries": len(texts),
+        "num_image_queries": len(images),
+        "gallery": {"images": len(v), "texts": len(t)},
+    }
+
+
+def format_table(report: dict[str, Any], ks: Sequence[int] = KS) -> str:
+    header = "direction       " + "".join(f"{f'R@{k}':>8}" for k in ks) + f"{'mean':>8}{'queries':>9}"
+    lines = [header, "-" * len(header)]
+    for key, label, nq in (
+        ("text_to_image", "text → image", "num_text_queries"),
+        ("image_to_text", "image → text", "num_image_queries"),
+    ):
+        row = report[key]
+        lines.append(
+            f"{label:16s}"
+            + "".join(f"{row[f'R@{k}']:8.2f}" for k in ks)
+            + f"{row['mean']:8.2f}{report[nq]:9d}"
+        )
+    lines.append(f"mean recall: {report['mean_recall']:.2f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, type=Path, help="a KnowledgeCLIP folder (rapiddiff train clip)"
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        type=Path,
+        help="image–caption data: imagefolder with metadata.jsonl, or CSV/TSV/JSONL/parquet",
+    )
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--knowledge",
+        choices=("on", "off"),
+        default="on",
+        help="knowledge fusion on, or off for the ablation",
+    )
+    parser.add_argument(
+        "--filter-entities",
+        type=Path,
+        metavar="FILE",
+        help="score only captions that mention one of these entities (one name a line), e.g. heldout_entities.txt",
+    )
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from rapiddiff.utils.device import resolve_device
+    from rapiddiff.utils.io import atomic_write_text
+
+    device = resolve_device(args.device)
+    names: list[str] | None = None
+    if args.filter_entities is not None:
+        if not args.filter_entities.is_file():
+            raise FileNotFoundError(f"--filter-entities: file not found: {args.filter_entities}")
+        names = [
+            ln.strip() for ln in args.filter_entities.read_text(encoding="utf-8").splitlines() if ln.strip()
+        ]
+        if not names:
+            raise ValueError(f"{args.filter_entities}: no entity names in it")
+    report = evaluate_folder(
+        args.model,
+        args.data,
+        device=device,
+        knowledge=args.knowledge == "on",
+        entities=names,
+        batch_size=args.batch_size,
+    )
+    print(format_table(report))
+    if args.out is not None:
+        atomic_write_text(args.out, json.dumps(report, ensure_ascii=False, indent=2) + "\n")
+    return 0
+
+
+def evaluate_folder(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    device: Any = "cpu",
+    knowledge: bool = True,
+    entities: Sequence[str] | None = None,
+    batch_size: int = 128,
+) -> dict[str, Any]:
+    """Load a KnowledgeCLIP and a dataset, encode both, and return :func:`retrieval_report`'s dict."""
+    import torch
+    from tqdm import tqdm
+
+    from rapiddiff.data.loader import ImageTextDataset
+    from rapiddiff.models.clip import KnowledgeCLIP
+
+    model = KnowledgeCLIP.from_pretrained(model_dir).to(device).eval()
+    model.text_encoder.knowledge = knowledge
+    dataset = ImageTextDataset(str(data), image_size=model.image_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=_collate)
+    image_features, captions = [], []
+    with torch.no_grad():
+        for batch in tqdm(loader, desc="images", unit="batch"):
+            image_features.append(model.encode_image(batch["pixel_values"].to(device)).cpu())
+            captions.extend(batch["text"])
+        if not captions:
+            raise ValueError(f"{data}: no usable image–caption pairs")
+        unique = list(dict.fromkeys(captions))
+        text_id = {c: i for i, c in enumerate(unique)}
+        text_features = [
+            model.encode_text(unique[i : i + batch_size]).cpu()
+            for i in tqdm(range(0, len(unique), batch_size), desc="texts", unit="batch")
+        ]
+    queries = None
+    if entities is not None:
+        queries = [i for i, c in enumerate(unique) if any(name in c for name in entities)]
+        if not queries:
+            raise ValueError(f"no caption in {data} mentions any of the {len(entities)} given entities")
+    report = retrieval_report(
+        torch.cat(text_features),
+        torch.cat(image_features),
+        [text_id[c] for c in captions],
+        query_texts=queries,
+    )
+    report.update(model=str(model_dir), data=str(data), knowledge=knowledge, entities=list(entities or []))
+    return report
+
+
+def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    return {
+        "pixel_values": torch.stack([it["pixel_values"] for it in items]),
+        "text": [it["text"] for it in items],
+    }
