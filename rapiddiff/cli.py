@@ -15,7 +15,9 @@ from rapiddiff import __version__
 from rapiddiff.utils.logging import setup_logging
 
 # command name → (module with register(parser), one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
