@@ -1,0 +1,280 @@
+"""``rapiddiff generate``: text → PNG files (with their settings inside) and a grid.
+
+Heavy imports (torch, diffusers) happen inside :func:`run`, so registering the command is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+EPILOG = """examples:
+  rapiddiff generate "蓝色背景上有一个番茄"
+  rapiddiff generate "一只熊猫" --model runs/kshapes-model --num-images 4 --seed 7 --out out/
+  rapiddiff generate --prompts prompts.txt --scheduler dpm++ --steps 25 --no-upscale
+  rapiddiff generate --from-png out/00001-7.png          # the same image again
+
+Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size and model in
+text chunks; --from-png reads them back (flags given on the command line override them).
+Without --model, the built-in model in rapiddiff/assets/model/ is used (or $RAPIDDIFF_MODEL).
+"""
+
+
+def default_model_dir() -> Path:
+    """The model used without --model: $RAPIDDIFF_MODEL, else the one shipped in the package."""
+    env = os.environ.get("RAPIDDIFF_MODEL")
+    if env:
+        return Path(env)
+    import rapiddiff
+
+    return Path(rapiddiff.__file__).parent / "assets" / "model"
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model:
+        return Path(model)
+    path = default_model_dir()
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"no built-in model in this installation ({path} is missing; it is trained with the "
+            "kshapes recipe and shipped in released packages). Pass --model DIR: a rapiddiff model "
+            "folder, a diffusers Stable Diffusion 1.x folder or a Taiyi-style folder"
+        )
+    return path
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """ "HxW" or "N" (square) → (height, width)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX×*]\s*(\d+))?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size '{text}': use HxW (e.g. 128x128) or N for N×N")
+    height = int(match.group(1))
+    width = int(match.group(2)) if match.group(2) else height
+    if height <= 0 or width <= 0:
+        raise argparse.ArgumentTypeError(f"size '{text}': sides must be positive")
+    return height, width
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("prompt", nargs="?", help="the prompt (Chinese or any language the model knows)")
+    parser.add_argument(
+        "--prompts", metavar="FILE", help="a text file with one prompt a line (blank lines skipped)"
+    )
+    parser.add_argument(
+        "--from-png", metavar="FILE", help="regenerate from the settings stored in a PNG made by rapiddiff"
+    )
+    parser.add_argument("--model", metavar="DIR", help="model folder (default: the built-in model)")
+    parser.add_argument("--negative", metavar="TEXT", help="negative prompt (what to steer away from)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default 50)")
+    parser.add_argument(
+        "--guidance", type=float, help="classifier-free guidance scale; ≤ 1 turns it off (default 7.5)"
+    )
+    parser.add_argument(
+        "--seed", type=int, help="seed of the first image; image k gets seed+k (default: random)"
+    )
+    parser.add_argument("--num-images", type=int, default=1, help="images per prompt (default 1)")
+    parser.add_argument("--batch-size", type=int, default=4, help="images sampled at once (default 4)")
+    parser.add_argument(
+        "--size", type=parse_size, metavar="HxW|N", help="image size before upscaling (default: the model's)"
+    )
+    parser.add_argument("--scheduler", help="sampler: pndm (default), ddim or dpm++")
+    parser.add_argument(
+        "--upscale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="upscale ×4 with the ESRGAN upscaler (default: on when the model has one)",
+    )
+    parser.add_argument(
+        "--upscaler",
+        metavar="PATH",
+        help="upscaler weights file or folder (instead of the model's upscaler/)",
+    )
+    parser.add_argument("--out", default="outputs", metavar="DIR", help="output folder (default ./outputs)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (fp16 on CUDA, fp32 on CPU), float32, float16 or bfloat16"
+    )
+    parser.add_argument(
+        "--fast", action="store_true", help="use the accelerated inference path (rapiddiff.infer.accelerate)"
+    )
+    parser.add_argument(
+        "--no-knowledge", action="store_true", help="switch the knowledge fusion off (the base text encoder)"
+    )
+    parser.add_argument(
+        "--no-grid", action="store_true", help="do not write a grid image when several images are made"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = [args.prompt] if args.prompt is not None else []
+    if args.prompts:
+        file = Path(args.prompts)
+        if not file.is_file():
+            raise FileNotFoundError(f"--prompts: file not found: {file}")
+        lines = file.read_text(encoding="utf-8-sig").splitlines()
+        prompts += [line.strip() for line in lines if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts: {file} holds no prompt (one prompt a line)")
+    return prompts
+
+
+def check_writable(folder: Path) -> None:
+    """Fail before any work if images cannot be written to ``folder``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".rapiddiff-write-test-"):
+            pass
+    except OSError as err:
+        raise PermissionError(
+            f"output folder {folder} is not writable ({err.strerror or err}); choose another with --out"
+        ) from err
+
+
+def _next_index(folder: Path) -> int:
+    """First free image number in ``folder`` (files are NNNNN-SEED.png), so runs never overwrite."""
+    numbers = [int(m.group(1)) for p in folder.glob("*.png") if (m := re.match(r"(\d{5})-", p.name))]
+    return max(numbers, default=0) + 1
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str | None]:
+    """Prompts, pipeline kwargs, and the model folder from the PNG (if --from-png)."""
+    from rapiddiff.infer.pipeline import canonical_scheduler_name
+
+    kwargs: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}
+    prompts: list[str] = []
+    png_model = None
+    if args.from_png:
+        from rapiddiff.infer.png import generation_kwargs, read_png_metadata
+
+        meta = read_png_metadata(args.from_png)
+        if not meta:
+            raise ValueError(f"--from-png: {args.from_png} holds no generation settings")
+        from_png = generation_kwargs(meta)
+        prompts = [from_png.pop("prompt")]
+        kwargs.update(from_png)
+        png_model = meta.get("model_path")
+    given = _read_prompts(args)
+    if given:
+        prompts = given
+    if not prompts:
+        raise ValueError("no prompt: give one as an argument, --prompts FILE, or --from-png FILE")
+    overrides = {
+        "negative_prompt": args.negative,
+        "num_inference_steps": args.steps,
+        "guidance_scale": args.guidance,
+        "seed": args.seed,
+        "scheduler": args.scheduler,
+        "upscale": args.upscale,
+    }
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    if args.size:
+        kwargs["height"], kwargs["width"] = args.size
+    if args.no_knowledge:
+        kwargs["knowledge"] = False
+    kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])  # bad names fail before loading
+    if kwargs["num_inference_steps"] < 1:
+        raise ValueError(f"--steps must be ≥ 1, got {kwargs['num_inference_steps']}")
+    if args.num_images < 1 or args.batch_size < 1:
+        raise ValueError("--num-images and --batch-size must be ≥ 1")
+    return prompts, kwargs, png_model
+
+
+def run(args: argparse.Namespace) -> int:
+    from rapiddiff.utils.device import resolve_device, resolve_dtype
+
+    prompts, kwargs, png_model = _settings(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    out = Path(args.out)
+    check_writable(out)
+    if args.model is None and png_model and Path(png_model).is_dir():
+        model_dir = Path(png_model)
+    else:
+        if args.model is None and png_model:
+            log.warning("the model the PNG names (%s) is not here; using the default model", png_model)
+        model_dir = resolve_model_dir(args.model)
+    if args.fast and importlib.util.find_spec("rapiddiff.infer.accelerate") is None:
+        raise RuntimeError(
+            "--fast: the accelerated path (rapiddiff.infer.accelerate) is not available in this installation"
+        )
+
+    from rapiddiff.infer.pipeline import RapidDiffusionPipeline
+
+    log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
+    pipe = RapidDiffusionPipeline.from_pretrained(
+        model_dir, device=device, dtype=dtype, upscaler=args.upscaler
+    )
+    if args.fast:
+        from rapiddiff.infer.accelerate import accelerate
+
+        pipe = accelerate(pipe) or pipe
+    if kwargs.get("upscale") is None:
+        kwargs["upscale"] = pipe.upscaler is not None
+    paths, images = _generate(pipe, prompts, kwargs, args, out)
+    if len(images) > 1 and not args.no_grid:
+        grid = out / f"{paths[0].name.split('-')[0]}-grid.png"
+        make_grid(images).save(grid)
+        print(grid)
+    return 0
+
+
+def _generate(
+    pipe: Any, prompts: list[str], kwargs: dict[str, Any], args: argparse.Namespace, out: Path
+) -> tuple[list[Path], list[Any]]:
+    from tqdm.auto import tqdm
+
+    from rapiddiff.infer.png import save_png
+
+    # One job per image (prompt, seed); jobs run in batches of --batch-size through the pipeline.
+    jobs = [(p, k) for p in prompts for k in range(args.num_images)]
+    first_seed = kwargs.pop("seed", None)
+    if first_seed is None:
+        import secrets
+
+        first_seed = secrets.randbelow(2**31 - len(jobs))
+    index = _next_index(out)
+    paths, images = [], []
+    bar = tqdm(total=len(jobs), desc="images", unit="img", disable=args.no_progress)
+    for start in range(0, len(jobs), args.batch_size):
+        batch = jobs[start : start + args.batch_size]
+        result = pipe(
+            [p for p, _ in batch],
+            seed=[first_seed + start + i for i in range(len(batch))],
+            progress=not args.no_progress,
+            **kwargs,
+        )
+        for image, meta in zip(result.images, result.metadata, strict=True):
+            path = save_png(image, out / f"{index:05d}-{meta['seed']}.png", meta)
+            print(path)
+            paths.append(path)
+            images.append(image)
+            index += 1
+        bar.update(len(batch))
+    bar.close()
+    return paths, images
+
+
+def make_grid(images: list[Any]) -> Any:
+    """PIL images → one PIL grid, about square (torchvision's make_grid, 2-pixel gaps)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision.utils import make_grid as tv_grid
+
+    tensors = torch.stack([torch.from_numpy(np.asarray(im.convert("RGB"))).permute(2, 0, 1) for im in images])
+    grid = tv_grid(tensors, nrow=math.ceil(math.sqrt(len(images))), padding=2, pad_value=255)
+    return Image.fromarray(grid.permute(1, 2, 0).numpy())

@@ -1,0 +1,103 @@
+"""PNG files that carry how they were made, so any image can be regenerated.
+
+Each setting is an iTXt chunk of its own (UTF-8, so Chinese prompts survive; any PNG viewer
+shows them), and the chunk ``rapiddiff`` holds all of them as one JSON object with their types,
+which :func:`read_png_metadata` prefers. :func:`generation_kwargs` turns what was read back into
+``RapidDiffusionPipeline.__call__`` arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rapiddiff.utils.io import atomic_open
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+JSON_KEY = "rapiddiff"
+# Settings whose text chunks are parsed back to numbers / booleans when the JSON chunk is absent.
+_INTS = ("seed", "steps", "height", "width")
+_FLOATS = ("guidance", "eta")
+_BOOLS = ("knowledge", "upscale")
+
+
+def save_png(image: Image.Image, path: str | Path, metadata: dict[str, Any]) -> Path:
+    """Write ``image`` as PNG with ``metadata`` in text chunks (atomically); returns the path."""
+    from PIL.PngImagePlugin import PngInfo
+
+    from rapiddiff import __version__
+
+    meta = {**metadata, "rapiddiff_version": metadata.get("rapiddiff_version", __version__)}
+    info = PngInfo()
+    for key, value in meta.items():
+        if value is None:
+            continue
+        text = json.dumps(value) if isinstance(value, bool) else str(value)
+        info.add_itxt(key, text)
+    info.add_itxt(JSON_KEY, json.dumps(meta, ensure_ascii=False, sort_keys=True))
+    path = Path(path)
+    with atomic_open(path, "wb") as handle:
+        image.save(handle, format="PNG", pnginfo=info)
+    return path
+
+
+def read_png_metadata(path: str | Path) -> dict[str, Any]:
+    """The settings a PNG was made with (empty dict for a PNG without them)."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image not found: {path}")
+    try:
+        with Image.open(path) as image:
+            image.load()
+            chunks = dict(getattr(image, "text", {}) or {})
+    except UnidentifiedImageError as err:
+        raise ValueError(f"{path}: not an image file PIL can read") from err
+    if JSON_KEY in chunks:
+        try:
+            return json.loads(chunks[JSON_KEY])
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: its '{JSON_KEY}' text chunk is not valid JSON ({err})") from err
+    meta: dict[str, Any] = {}
+    for key, text in chunks.items():
+        try:
+            if key in _INTS:
+                meta[key] = int(text)
+            elif key in _FLOATS:
+                meta[key] = float(text)
+            elif key in _BOOLS:
+                meta[key] = text.strip().lower() in ("true", "1", "yes")
+            else:
+                meta[key] = text
+        except ValueError as err:
+            raise ValueError(f"{path}: text chunk {key}={text!r} is not a valid {key}") from err
+    return meta
+
+
+def generation_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
+    """PNG metadata → ``RapidDiffusionPipeline.__call__`` keyword arguments that remake the image."""
+    missing = [k for k in ("prompt", "seed", "steps", "guidance") if k not in meta]
+    if missing:
+        raise ValueError(
+            f"the image's metadata lacks {', '.join(missing)}: it was not written by rapiddiff generate"
+        )
+    kwargs: dict[str, Any] = {
+        "prompt": meta["prompt"],
+        "negative_prompt": meta.get("negative_prompt") or None,
+        "seed": int(meta["seed"]),
+        "num_inference_steps": int(meta["steps"]),
+        "guidance_scale": float(meta["guidance"]),
+        "scheduler": meta.get("scheduler", "pndm"),
+        "knowledge": bool(meta.get("knowledge", True)),
+        "upscale": bool(meta.get("upscale", False)),
+    }
+    for key in ("height", "width"):
+        if key in meta:
+            kwargs[key] = int(meta[key])
+    if meta.get("eta"):
+        kwargs["eta"] = float(meta["eta"])
+    return kwargs

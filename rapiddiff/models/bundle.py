@@ -1,0 +1,286 @@
+"""A latent-diffusion model folder: U-Net, VAE, noise schedule, text encoder, optional upscaler.
+
+The folder is diffusers' Stable Diffusion layout, so a plain SD 1.x folder (CLIP text tower) and
+a Taiyi-style one (BERT text tower) load as they are, and what :func:`save_model_folder` writes,
+``diffusers.StableDiffusionPipeline.from_pretrained`` loads (knowledge aside)::
+
+    model_index.json    diffusers' component table (StableDiffusionPipeline)
+    unet/ vae/ scheduler/ text_encoder/ tokenizer/
+    knowledge/          KnowledgeStore + fusion weights (KnowledgeTextEncoder's)   — rapiddiff only
+    upscaler/           upscaler.safetensors (ESRGAN, spandrel-loadable)           — rapiddiff only
+    rapiddiff.json      what the two extra folders hold, and the rapiddiff version
+
+diffusers only loads the components that ``model_index.json`` names and ignores other folders;
+``knowledge/`` and ``upscaler/`` are therefore recorded in ``rapiddiff.json``, not there
+(diffusers would try to import a loader for any entry of ``model_index.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+log = get_logger(__name__)
+
+RAPIDDIFF_FILE = "rapiddiff.json"
+_WEIGHT_NAMES = {
+    "unet": "diffusion_pytorch_model",
+    "vae": "diffusion_pytorch_model",
+    "text_encoder": "model",
+}
+
+
+@dataclass
+class ModelBundle:
+    """The parts of a text-to-image model; ``path`` is the folder it came from (if any)."""
+
+    unet: nn.Module
+    vae: nn.Module
+    scheduler: Any
+    text_encoder: KnowledgeTextEncoder
+    upscaler: nn.Module | None = None
+    path: Path | None = None
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Image pixels per latent pixel (8 for SD's VAE): 2^(VAE blocks − 1), as diffusers computes it."""
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def size_multiple(self) -> int:
+        """Image sides must be multiples of this: the VAE factor × the U-Net's downsampling."""
+        return self.vae_scale_factor * 2 ** (len(self.unet.config.block_out_channels) - 1)
+
+    @property
+    def default_size(self) -> int:
+        return int(self.unet.config.sample_size) * self.vae_scale_factor
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.path is not None else "model"
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ModelBundle:
+        """Move every part (in place); the upscaler keeps float32 unless ``dtype`` is half-safe for it."""
+        for module in (self.unet, self.vae, self.text_encoder):
+            module.to(device=device, dtype=dtype)
+        if self.upscaler is not None:
+            self.upscaler.to(device=device, dtype=dtype)
+        return self
+
+    def check(self) -> None:
+        """Raise when the parts cannot work together (text width ≠ U-Net cross-attention width)."""
+        width = self.text_encoder.hidden_size
+        cross = self.unet.config.cross_attention_dim
+        if width != cross:
+            where = f"model folder {self.path}: " if self.path else ""
+            raise ValueError(
+                f"{where}the text encoder outputs {width}-wide states but the U-Net's "
+                f"cross_attention_dim is {cross}; give the text encoder out_dim={cross}"
+            )
+        if self.unet.config.in_channels != self.vae.config.latent_channels:
+            raise ValueError(
+                f"U-Net in_channels={self.unet.config.in_channels} ≠ VAE latent_channels="
+                f"{self.vae.config.latent_channels}"
+            )
+
+
+# ---------------------------------------------------------------------------------------- load
+def load_model_folder(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    knowledge: bool = True,
+    load_upscaler: bool = True,
+) -> ModelBundle:
+    """Load a rapiddiff, diffusers SD 1.x or Taiyi-style model folder.
+
+    A missing or unreadable part raises an error naming the folder, the part and the file.
+    ``knowledge=False`` loads the text encoder with its fusion switched off (the base encoder).
+    """
+    import torch
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {path}")
+    dtype = dtype or torch.float32
+    for part in ("unet", "vae", "text_encoder"):
+        _require_weights(path, part)
+    for part, file in (("tokenizer", None), ("scheduler", "scheduler_config.json")):
+        where = path / part / file if file else path / part
+        if not where.exists():
+            raise FileNotFoundError(f"model folder {path}: {where.relative_to(path)} is missing")
+
+    unet = _load_diffusers_part(path, "unet", "UNet2DConditionModel", dtype)
+    vae = _load_diffusers_part(path, "vae", "AutoencoderKL", dtype)
+    scheduler = _load_scheduler(path)
+    text_encoder = _load_text_encoder(path, knowledge)
+    upscaler = None
+    if load_upscaler and (path / "upscaler").is_dir():
+        from rapiddiff.models.upscaler import load_upscaler as _load
+
+        try:
+            upscaler = _load(path / "upscaler")
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            raise type(err)(f"model folder {path}: upscaler/: {err}") from err
+    bundle = ModelBundle(unet, vae, scheduler, text_encoder, upscaler, path=path)
+    bundle.check()
+    unet.eval().requires_grad_(False)
+    vae.eval().requires_grad_(False)
+    text_encoder.eval().requires_grad_(False)
+    bundle.unet.to(device)
+    bundle.vae.to(device)
+    bundle.text_encoder.to(device=device, dtype=dtype)
+    if upscaler is not None:
+        upscaler.to(device=device)
+    return bundle
+
+
+def _require_weights(path: Path, part: str) -> None:
+    folder = path / part
+    stem = _WEIGHT_NAMES[part]
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path}: {part}/config.json is missing")
+    candidates = [f"{stem}.safetensors", f"{stem}.fp16.safetensors", f"{stem}.bin", f"{stem}.fp16.bin"]
+    if any((folder / name).is_file() for name in candidates):
+        return
+    if any(folder.glob(f"{stem}*.safetensors.index.json")) or any(folder.glob(f"{stem}*.bin.index.json")):
+        return  # sharded checkpoint
+    raise FileNotFoundError(f"model folder {path}: {part}/{stem}.safetensors is missing")
+
+
+def _weights_file(path: Path, part: str) -> str:
+    stem = _WEIGHT_NAMES[part]
+    for name in (f"{stem}.safetensors", f"{stem}.bin"):
+        if (path / part / name).is_file():
+            return f"{part}/{name}"
+    return f"{part}/{stem}.*"
+
+
+def _load_diffusers_part(path: Path, part: str, class_name: str, dtype: torch.dtype) -> nn.Module:
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    try:
+        return cls.from_pretrained(str(path / part), torch_dtype=dtype)
+    except Exception as err:  # diffusers raises many types (OSError, EnvironmentError, safetensors errors)
+        raise ValueError(
+            f"model folder {path}: {_weights_file(path, part)} could not be loaded as {class_name} ({err})"
+        ) from err
+
+
+def _load_scheduler(path: Path) -> Any:
+    import diffusers
+
+    file = path / "scheduler" / "scheduler_config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"model folder {path}: scheduler/scheduler_config.json is not valid JSON ({err})"
+        ) from err
+    name = config.get("_class_name", "PNDMScheduler")
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise ValueError(
+            f"model folder {path}: scheduler/scheduler_config.json names unknown scheduler {name!r}"
+        )
+    return cls.from_config(config)
+
+
+def _load_text_encoder(path: Path, knowledge: bool) -> KnowledgeTextEncoder:
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+    try:
+        return KnowledgeTextEncoder.from_pretrained(path, knowledge=knowledge)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"model folder {path}: text encoder: {err}") from err
+    except Exception as err:
+        raise ValueError(
+            f"model folder {path}: {_weights_file(path, 'text_encoder')} (or tokenizer/, knowledge/) "
+            f"could not be loaded ({err})"
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------- save
+def save_model_folder(bundle: ModelBundle, path: str | Path) -> Path:
+    """Write ``bundle`` as a model folder that diffusers loads (and rapiddiff, with knowledge).
+
+    The folder is written beside ``path`` first and moved into place at the end, so an
+    interrupted save never leaves a half-written model where a good one was.
+    """
+    import diffusers
+
+    from rapiddiff import __version__
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        bundle.unet.save_pretrained(tmp / "unet", safe_serialization=True)
+        bundle.vae.save_pretrained(tmp / "vae", safe_serialization=True)
+        bundle.scheduler.save_pretrained(tmp / "scheduler")
+        bundle.text_encoder.save_pretrained(tmp)
+        extras: dict[str, Any] = {"rapiddiff_version": __version__}
+        if bundle.text_encoder.store is not None:
+            extras["knowledge"] = "knowledge/"
+        if bundle.upscaler is not None:
+            from rapiddiff.models.upscaler import save_upscaler
+
+            extras["upscaler"] = str(save_upscaler(bundle.upscaler, tmp / "upscaler").relative_to(tmp))
+        text_model = bundle.text_encoder.text_model
+        index = {
+            "_class_name": "StableDiffusionPipeline",
+            "_diffusers_version": diffusers.__version__,
+            "feature_extractor": [None, None],
+            "image_encoder": [None, None],
+            "requires_safety_checker": False,
+            "safety_checker": [None, None],
+            "scheduler": ["diffusers", type(bundle.scheduler).__name__],
+            "text_encoder": ["transformers", type(text_model).__name__],
+            "tokenizer": ["transformers", type(bundle.text_encoder.tokenizer).__name__],
+            "unet": ["diffusers", type(bundle.unet).__name__],
+            "vae": ["diffusers", type(bundle.vae).__name__],
+        }
+        atomic_write_text(tmp / "model_index.json", json.dumps(index, indent=2) + "\n")
+        atomic_write_text(tmp / RAPIDDIFF_FILE, json.dumps(extras, indent=2, ensure_ascii=False) + "\n")
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    bundle.path = path
+    return path
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if not target.exists():
+        os.replace(new, target)
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a folder")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_rapiddiff_info(path: str | Path) -> dict[str, Any]:
+    """The folder's rapiddiff.json (empty for a plain diffusers folder)."""
+    file = Path(path) / RAPIDDIFF_FILE
+    if not file.is_file():
+        return {}
+    return json.loads(file.read_text(encoding="utf-8"))
