@@ -393,7 +393,9 @@ class KnowledgeTextEncoder(nn.Module):
             raise ValueError(
                 f"{path}: not a ChineseCLIPModel folder (config.json model_type must be chinese_clip)"
             )
-        model = ChineseCLIPModel.from_pretrained(str(path), use_safetensors=None)
+        model = ChineseCLIPModel.from_pretrained(str(path))
+        # Chinese-CLIP masks padding (cn_clip: attention_mask = text != pad); keep its behaviour.
+        kwargs.setdefault("use_attention_mask", True)
         encoder = cls(model.text_model, load_tokenizer(path), store, **kwargs)
         encoder.knowledge = knowledge
         return encoder
