@@ -16,6 +16,7 @@ from rapiddiff.utils.logging import setup_logging
 
 # command name → (module with register(parser), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "kg": ("rapiddiff.kg.cli", "knowledge graph: train TransE into a KnowledgeStore, link entities in text, inspect a store"),
     "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
     "generate": ("rapiddiff.infer.generate_cli", "text → images: sample a model folder to PNGs that record their settings"),
 }
