@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kg": ("rapiddiff.kg.cli", "knowledge graph: train TransE into a KnowledgeStore, link entities in text, inspect a store"),
     "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
     "generate": ("rapiddiff.infer.generate_cli", "text → images: sample a model folder to PNGs that record their settings"),
+    "data": ("rapiddiff.data.cli", "datasets: write the kshapes benchmark, inspect image–caption data"),
 }
 
 
