@@ -1,0 +1,296 @@
+"""``rapiddiff data kshapes``: write the kshapes benchmark (DESIGN.md, "kshapes").
+
+Everything random is drawn in the main process from ``numpy.random.default_rng([seed, split])``
+before any image is drawn, so the output is byte-identical for a seed whatever the number of
+worker processes; PNGs carry no timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from rapiddiff.data.kshapes.captions import ATTRIBUTE_TEMPLATES, ENTITY_TEMPLATES, PROMPT_TEMPLATES
+from rapiddiff.data.kshapes.entities import ENTITIES, Entity, choose_heldout, kg_aliases, kg_triples
+from rapiddiff.data.kshapes.palette import COLOURS, LAYOUTS, SHAPES, compatible_backgrounds
+from rapiddiff.data.kshapes.render import ShapeSpec, render
+from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+SPLITS = ("train", "val", "test")
+# Files and folders this generator owns inside --out (removed by --overwrite, nothing else).
+OUTPUTS = (
+    "train",
+    "val",
+    "test",
+    "hr",
+    "kg",
+    "entities.json",
+    "heldout_entities.txt",
+    "prompts.jsonl",
+    "kshapes.yaml",
+)
+
+
+@dataclass
+class KShapesConfig:
+    """Settings of ``rapiddiff data kshapes`` (defaults: configs/data/kshapes.yaml)."""
+
+    out: Path = Path("kshapes")
+    """Output folder."""
+    seed: int = 0
+    """Everything (held-out entities, images, captions) follows from the seed."""
+    size: int = 128
+    """Base image size in pixels (128 → 16² latents with an 8× VAE)."""
+    hr_scale: int = 4
+    """The hr/ copies are drawn at size × hr_scale (0: no hr/ folder)."""
+    train: int = 20000
+    """Images in train/."""
+    val: int = 1000
+    """Images in val/."""
+    test: int = 1000
+    """Images in test/."""
+    heldout: int = 15
+    """Entities that appear in the KG but in no training caption."""
+    entity_fraction: float = 0.5
+    """Share of images whose caption names an entity (the rest name colour and shape)."""
+    alias_fraction: float = 0.2
+    """Share of entity captions that use an alias (西红柿 for 番茄) where the entity has one."""
+    layout: Literal["row3", "grid9"] = "row3"
+    """Positions: 左边/中间/右边, or a 3×3 grid (左上方 ... 右下方)."""
+    prompts_per_entity: int = 2
+    """Evaluation prompts written per entity (seen and held-out) to prompts.jsonl."""
+    workers: int = 0
+    """Processes that draw images (0: one per CPU core, at most 8)."""
+
+    def __post_init__(self) -> None:
+        if self.size < 32 or self.size % 8:
+            raise ValueError(f"size must be a multiple of 8 and at least 32, got {self.size}")
+        if self.hr_scale < 0:
+            raise ValueError(f"hr_scale must be 0 (no hr/) or a positive factor, got {self.hr_scale}")
+        for name in SPLITS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+        if not 0.0 <= self.entity_fraction <= 1.0 or not 0.0 <= self.alias_fraction <= 1.0:
+            raise ValueError("entity_fraction and alias_fraction must lie in [0, 1]")
+        self.out = Path(self.out)
+
+
+SMALL_PRESET: dict[str, Any] = {"size": 64, "train": 240, "val": 60, "test": 60}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image of a split: what is drawn and what the caption says."""
+
+    file_name: str
+    spec: ShapeSpec
+    position: str
+    text: str
+    entity: str | None
+    caption_type: str  # "entity" | "attribute"
+    heldout: bool
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "file_name": self.file_name,
+            "text": self.text,
+            "entity": self.entity,
+            "colour": self.spec.colour,
+            "shape": self.spec.shape,
+            "position": self.position,
+            "background": self.spec.background,
+            "caption_type": self.caption_type,
+            "heldout_entity": self.heldout,
+        }
+
+
+def _pick(rng: np.random.Generator, options: list[Any] | tuple[Any, ...]) -> Any:
+    return options[int(rng.integers(len(options)))]
+
+
+def _spec(rng: np.random.Generator, shape: str, colour: str, layout: str) -> tuple[ShapeSpec, str]:
+    position, x, y = _pick(rng, LAYOUTS[layout])
+    background = _pick(rng, compatible_backgrounds(colour))
+    spec = ShapeSpec(
+        shape=shape,
+        colour=colour,
+        background=background,
+        x=round(x + float(rng.uniform(-0.02, 0.02)), 4),
+        # Bars and ellipses are flat, so they may move further up and down in a row layout.
+        y=round(y + float(rng.uniform(-0.05, 0.05)), 4),
+        scale=round(float(rng.uniform(0.9, 1.1)), 4),
+        colour_shift=tuple(int(v) for v in rng.integers(-6, 7, size=3)),  # type: ignore[arg-type]
+        background_shift=tuple(int(v) for v in rng.integers(-4, 5, size=3)),  # type: ignore[arg-type]
+    )
+    return spec, position
+
+
+def sample_split(cfg: KShapesConfig, split: str, heldout: set[str]) -> list[Item]:
+    """The items of one split. Training captions never name a held-out entity; val and test
+    draw entity captions from every entity (held-out ones are what evaluation is about)."""
+    n = getattr(cfg, split)
+    rng = np.random.default_rng([cfg.seed, SPLITS.index(split) + 1])
+    pool: list[Entity] = [e for e in ENTITIES if split != "train" or e.name not in heldout]
+    colours, items = list(COLOURS), []
+    for i in range(n):
+        if pool and rng.random() < cfg.entity_fraction:
+            entity = _pick(rng, pool)
+            spec, position = _spec(rng, entity.shape, entity.colour, cfg.layout)
+            use_alias = entity.aliases and rng.random() < cfg.alias_fraction
+            surface = _pick(rng, entity.aliases) if use_alias else entity.name
+            text = _pick(rng, ENTITY_TEMPLATES).format(bg=spec.background, pos=position, e=surface)
+            name, kind = entity.name, "entity"
+        else:
+            spec, position = _spec(rng, _pick(rng, SHAPES), _pick(rng, colours), cfg.layout)
+            text = _pick(rng, ATTRIBUTE_TEMPLATES).format(
+                bg=spec.background, pos=position, c=spec.colour, s=spec.shape
+            )
+            name, kind = None, "attribute"
+        items.append(Item(f"{i:06d}.png", spec, position, text, name, kind, name in heldout))
+    return items
+
+
+def evaluation_prompts(cfg: KShapesConfig, heldout: set[str]) -> list[dict[str, Any]]:
+    rng = np.random.default_rng([cfg.seed, 99])
+    prompts = []
+    for entity in ENTITIES:
+        for k in range(cfg.prompts_per_entity):
+            spec, position = _spec(rng, entity.shape, entity.colour, cfg.layout)
+            template = PROMPT_TEMPLATES[k % len(PROMPT_TEMPLATES)]
+            prompts.append(
+                {
+                    "text": template.format(bg=spec.background, pos=position, e=entity.name),
+                    "entity": entity.name,
+                    "colour": entity.colour,
+                    "shape": entity.shape,
+                    "background": spec.background,
+                    "position": position if "{pos}" in template else None,
+                    "category": entity.category,
+                    "split": "heldout" if entity.name in heldout else "seen",
+                }
+            )
+    return prompts
+
+
+def _draw(job: tuple[ShapeSpec, str, str | None, int, int]) -> None:
+    """Worker: draw one item at base size (and 4×) and write the PNGs."""
+    spec, path, hr_path, size, hr_scale = job
+    if hr_path is not None:
+        # The hr image is drawn with 2× supersampling; the base image is its box-reduction, i.e.
+        # the same drawing supersampled 2·hr_scale×, so the pair is exactly consistent. PNG level 1:
+        # these flat images compress almost as well as at level 6, at half the time.
+        hr = render(spec, size * hr_scale, supersample=2)
+        hr.save(hr_path, format="PNG", compress_level=1)
+        hr.reduce(hr_scale).save(path, format="PNG", compress_level=1)
+    else:
+        render(spec, size, supersample=4).save(path, format="PNG", compress_level=1)
+
+
+def _jobs(
+    cfg: KShapesConfig, split: str, items: list[Item]
+) -> Iterator[tuple[ShapeSpec, str, str | None, int, int]]:
+    for item in items:
+        hr = str(cfg.out / "hr" / split / item.file_name) if cfg.hr_scale else None
+        yield item.spec, str(cfg.out / split / item.file_name), hr, cfg.size, cfg.hr_scale
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"{out} is not empty; choose a new --out folder, or pass --overwrite to replace the "
+                "kshapes files in it"
+            )
+        for name in OUTPUTS:
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=False) + "\n" for r in rows)
+
+
+def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Write the benchmark into ``cfg.out``; returns a summary (counts per split, held-out names)."""
+    from tqdm.auto import tqdm
+
+    from rapiddiff.utils.config import save_config
+
+    out = cfg.out
+    _prepare_out(out, overwrite)
+    heldout_names = choose_heldout(cfg.heldout, cfg.seed)
+    heldout = set(heldout_names)
+    splits = {split: sample_split(cfg, split, heldout) for split in SPLITS}
+
+    for split in SPLITS:
+        (out / split).mkdir(parents=True, exist_ok=True)
+        if cfg.hr_scale:
+            (out / "hr" / split).mkdir(parents=True, exist_ok=True)
+    jobs = [job for split in SPLITS for job in _jobs(cfg, split, splits[split])]
+    workers = cfg.workers or min(8, os.cpu_count() or 1)
+    bar = tqdm(total=len(jobs), desc="kshapes: drawing", unit="img", disable=not progress)
+    if workers == 1 or len(jobs) < 200:
+        for job in jobs:
+            _draw(job)
+            bar.update()
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for _ in pool.map(_draw, jobs, chunksize=64):
+                bar.update()
+    bar.close()
+
+    # Metadata last: a folder with metadata.jsonl is a finished split.
+    for split, items in splits.items():
+        rows = _jsonl([item.metadata() for item in items])
+        atomic_write_text(out / split / "metadata.jsonl", rows)
+        if cfg.hr_scale:
+            atomic_write_text(out / "hr" / split / "metadata.jsonl", rows)
+
+    triples = "".join("\t".join(t) + "\n" for t in kg_triples())
+    atomic_write_text(
+        out / "kg" / "triples.tsv", "# kshapes knowledge graph: head<TAB>relation<TAB>tail\n" + triples
+    )
+    aliases = "".join(f"{name}\t{'|'.join(al)}\n" for name, al in kg_aliases().items())
+    atomic_write_text(out / "kg" / "aliases.tsv", aliases)
+    entities = {
+        e.name: {
+            "colour": e.colour,
+            "shape": e.shape,
+            "category": e.category,
+            "aliases": list(e.aliases),
+            "facts": dict(e.facts),
+            "heldout": e.name in heldout,
+        }
+        for e in ENTITIES
+    }
+    atomic_write_text(out / "entities.json", json.dumps(entities, ensure_ascii=False, indent=1) + "\n")
+    atomic_write_text(out / "heldout_entities.txt", "".join(f"{n}\n" for n in heldout_names))
+    atomic_write_text(out / "prompts.jsonl", _jsonl(evaluation_prompts(cfg, heldout)))
+    save_config(cfg, out / "kshapes.yaml")
+
+    summary = {
+        "out": str(out),
+        **{split: len(items) for split, items in splits.items()},
+        "entities": len(ENTITIES),
+        "heldout": heldout_names,
+        "triples": len(kg_triples()),
+        "size": cfg.size,
+        "hr_size": cfg.size * cfg.hr_scale if cfg.hr_scale else None,
+    }
+    log.info("kshapes written to %s: %s", out, {k: v for k, v in summary.items() if k != "heldout"})
+    return summary
