@@ -150,29 +150,17 @@ def plan_jobs(prompts: Sequence[dict[str, Any]], images_per_prompt: int, seed: i
     return jobs
 
 
-def _png_text(meta: dict[str, Any]) -> Any:
-    from PIL.PngImagePlugin import PngInfo
-
-    from rapiddiff import __version__
-
-    info = PngInfo()
-    for key, value in {**meta, "rapiddiff_version": __version__}.items():
-        if value is not None:
-            info.add_itxt(key, str(value))
-    return info
-
-
 def _existing_matches(path: Path, job: Job) -> bool:
     """Is ``path`` an image made for this job? Checked against the prompt in its PNG text chunks."""
-    from PIL import Image
+    from rapiddiff.infer.png import read_png_metadata
 
-    try:
-        with Image.open(path) as img:
-            text = getattr(img, "text", {}) or {}
-            img.verify()
-    except Exception:  # unreadable or half-written: make it again
+    if not path.is_file():
         return False
-    prompt = text.get("prompt")
+    try:
+        meta = read_png_metadata(path)
+    except (ValueError, OSError, SyntaxError):  # unreadable or half-written: make it again
+        return False
+    prompt = meta.get("prompt")
     if prompt is not None and prompt != job.prompt:
         raise ValueError(
             f"{path} was made for the prompt {prompt!r}, not {job.prompt!r}: this run folder holds another "
@@ -215,7 +203,7 @@ def generate(
     """
     from tqdm.auto import tqdm
 
-    from rapiddiff.utils.io import atomic_open
+    from rapiddiff.infer.png import save_png
 
     run_dir = Path(run_dir)
     check_settings(run_dir, settings, overwrite)
@@ -244,17 +232,17 @@ def generate(
                 raise RuntimeError(f"the pipeline returned {len(images)} images for {len(batch)} prompts")
             metas = list(getattr(out, "metadata", None) or [{} for _ in batch])
             for job, image, meta in zip(batch, images, metas, strict=True):
+                # The pipeline's own metadata (what `rapiddiff generate` writes) wins where it has a key.
                 meta = {
-                    **meta,
                     "prompt": job.prompt,
                     "seed": job.seed,
                     "negative_prompt": negative,
                     "steps": settings.steps,
                     "guidance": settings.guidance,
                     "model": settings.model,
+                    **meta,
                 }
-                with atomic_open(run_dir / job.file) as handle:
-                    image.save(handle, format="PNG", pnginfo=_png_text(meta))
+                save_png(image, run_dir / job.file, meta)
             bar.update(len(batch))
     seconds = time.perf_counter() - started
     write_jsonl(run_dir / INDEX_NAME, (job.record() for job in jobs))

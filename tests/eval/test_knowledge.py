@@ -1,0 +1,120 @@
+"""eval knowledge: the table from the real kshapes detector, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from rapiddiff.cli import main
+from rapiddiff.data.kshapes import ENTITIES, SHAPES, ShapeSpec, render
+from rapiddiff.eval.knowledge import evaluate_knowledge, markdown_table, read_knowledge_prompts
+from rapiddiff.eval.sample import SampleSettings
+
+
+def _prompts(n_seen=2, n_heldout=2):
+    rows = []
+    for k, e in enumerate(ENTITIES[: n_seen + n_heldout]):
+        rows.append(
+            {
+                "text": f"浅蓝色背景上有一个{e.name}",
+                "entity": e.name,
+                "colour": e.colour,
+                "shape": e.shape,
+                "split": "seen" if k < n_seen else "heldout",
+            }
+        )
+    return rows
+
+
+class OraclePipe:
+    """Draws each prompt's entity with the kshapes renderer: right with knowledge; without it,
+    held-out entities get the wrong shape (what a model that never saw them would do)."""
+
+    def __init__(self, prompts):
+        self.by_text = {p["text"]: p for p in prompts}
+        self.text_encoder = SimpleNamespace(store=object())
+        self.calls = []
+
+    def __call__(self, prompts, *, seed, knowledge=True, **kwargs):
+        self.calls.append(len(prompts))
+        images = []
+        for text in prompts:
+            p = self.by_text[text]
+            shape = p["shape"]
+            if not knowledge and p["split"] == "heldout":
+                shape = SHAPES[(SHAPES.index(shape) + 1) % len(SHAPES)]
+            images.append(render(ShapeSpec(shape, p["colour"], "浅蓝色", 0.5, 0.5), 64))
+        return SimpleNamespace(images=images, seeds=list(seed))
+
+
+def test_accuracy_table_with_the_real_detector(tmp_path):
+    prompts = _prompts()
+    pipe = OraclePipe(prompts)
+    record = evaluate_knowledge(
+        pipe, prompts, tmp_path / "run", SampleSettings(model="oracle", images_per_prompt=2), batch_size=3
+    )
+    rows = {(r["split"], r["knowledge"]): r for r in record["table"]}
+    assert set(rows) == {("seen", "on"), ("seen", "off"), ("heldout", "on"), ("heldout", "off")}
+    for key in [("seen", "on"), ("seen", "off"), ("heldout", "on")]:
+        assert (rows[key]["colour"], rows[key]["shape"], rows[key]["both"]) == (100.0, 100.0, 100.0), key
+    assert (rows[("heldout", "off")]["colour"], rows[("heldout", "off")]["shape"]) == (100.0, 0.0)
+    assert rows[("heldout", "on")]["images"] == 4 and rows[("heldout", "on")]["entities"] == 2
+    assert record["value"] == 100.0 and not record["warnings"]
+    assert pipe.calls == [3, 3, 2, 3, 3, 2]  # batched: 8 images per mode in calls of ≤ 3
+    saved = json.loads((tmp_path / "run" / "metrics" / "knowledge.json").read_text())
+    assert saved["table"] == record["table"]
+    md = (tmp_path / "run" / "knowledge.md").read_text()
+    assert md.startswith("| entities |") and "| heldout (2) | off | 4 | 100.0 | 0.0 | 0.0 |" in md
+    detections = (tmp_path / "run" / "knowledge_off" / "detections.jsonl").read_text().splitlines()
+    assert len(detections) == 8 and json.loads(detections[-1])["shape_ok"] is False
+
+
+def test_prompt_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="rapiddiff data kshapes"):
+        read_knowledge_prompts(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text(
+        '{"text": "x", "entity": "番茄", "colour": "红色", "split": "seen"}\n'
+    )
+    with pytest.raises(ValueError, match="lacks shape"):
+        read_knowledge_prompts(tmp_path)
+
+
+def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, capsys):
+    kshapes = tmp_path / "kshapes"
+    kshapes.mkdir()
+    rows = _prompts()
+    (kshapes / "prompts.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    out = tmp_path / "run"
+    code = main(
+        [
+            "eval",
+            "knowledge",
+            "--model",
+            str(tiny_model),
+            "--kshapes",
+            str(kshapes),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--images-per-prompt",
+            "2",
+            "--batch-size",
+            "8",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    record = json.loads((out / "metrics" / "knowledge.json").read_text())
+    rows = {(r["split"], r["knowledge"]): r for r in record["table"]}
+    assert len(rows) == 4 and all(r["images"] == 4 for r in rows.values())
+    # This model has no KnowledgeStore: on and off are one encoder, so they must agree exactly.
+    assert record["warnings"] and "no KnowledgeStore" in record["warnings"][0]
+    for split in ("seen", "heldout"):
+        on, off = rows[(split, "on")], rows[(split, "off")]
+        assert (on["colour"], on["shape"], on["both"]) == (off["colour"], off["shape"], off["both"])
+    assert markdown_table(record["table"]) in capsys.readouterr().out
+    assert len(list((out / "knowledge_on" / "images").glob("*.png"))) == 8

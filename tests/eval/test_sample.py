@@ -1,0 +1,93 @@
+"""eval sample: deterministic names, an index, resuming, and refusing to mix experiments."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rapiddiff.cli import main
+from rapiddiff.eval.common import read_index
+from rapiddiff.eval.sample import SampleSettings, generate, plan_jobs, read_prompts
+
+PROMPTS = [
+    {"text": "蓝色背景上有一个番茄", "entity": "番茄"},
+    {"text": "米色背景上有一个香蕉", "entity": "香蕉"},
+    {"text": "一个红色的圆形", "entity": None},
+]
+
+
+def _prompt_file(tmp_path, rows=PROMPTS):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _sample(model, prompts, out, *extra):
+    return main(
+        [
+            "eval",
+            "sample",
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--images-per-prompt",
+            "2",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            *extra,
+        ]
+    )
+
+
+def test_sample_writes_index_and_resumes(tmp_path, tiny_model):
+    prompts, run = _prompt_file(tmp_path), tmp_path / "run"
+    assert _sample(tiny_model, prompts, run) == 0
+    index = read_index(run)
+    assert [r["file"] for r in index] == [
+        f"images/{i:06d}_s{i * 2 + j}.png" for i in range(3) for j in range(2)
+    ]
+    assert index[0]["prompt"] == PROMPTS[0]["text"] and index[0]["entity"] == "番茄" and index[3]["seed"] == 3
+    info = json.loads((run / "sample.json").read_text())
+    assert info["settings"]["steps"] == 2 and info["last_run"]["generated"] == 6
+    assert info["model_config"]["unet"]["sample_size"] == 8  # the model's config is recorded
+
+    first = np.asarray(Image.open(run / index[2]["file"]))
+    (run / index[2]["file"]).unlink()
+    assert _sample(tiny_model, prompts, run) == 0
+    info = json.loads((run / "sample.json").read_text())
+    assert info["last_run"] == {**info["last_run"], "generated": 1, "skipped_existing": 5}
+    # The remade image is the same image: names, seeds and sampling are deterministic.
+    np.testing.assert_array_equal(np.asarray(Image.open(run / index[2]["file"])), first)
+
+
+def test_resuming_with_other_settings_or_prompts_is_refused(tmp_path, tiny_pipe, capsys, tiny_model):
+    run = tmp_path / "run"
+    settings = SampleSettings(model="tiny", steps=2)
+    generate(tiny_pipe, plan_jobs(PROMPTS[:1], 1, 0), run, settings)
+    with pytest.raises(ValueError, match=r"steps: 2 → 3"):
+        generate(tiny_pipe, plan_jobs(PROMPTS[:1], 1, 0), run, SampleSettings(model="tiny", steps=3))
+    with pytest.raises(ValueError, match="another prompt list"):
+        generate(tiny_pipe, plan_jobs(PROMPTS[1:2], 1, 0), run, settings)
+    # The CLI refuses before it loads the model, with the reason on stderr.
+    assert _sample(tiny_model, _prompt_file(tmp_path, PROMPTS[:1]), run, "--guidance", "3") == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_read_prompts(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text("一个番茄\n\n 一个香蕉 \n", encoding="utf-8")
+    assert read_prompts(txt) == [{"text": "一个番茄"}, {"text": "一个香蕉"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"prompt": "b"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"record 2 has no string 'text'"):
+        read_prompts(bad)
