@@ -13,10 +13,19 @@ import importlib
 EVAL_COMMANDS: dict[str, tuple[str, str]] = {
     "recall": ("rapiddiff.eval.recall", "text↔image retrieval recall R@1/5/10 of a KnowledgeCLIP model"),
     "sample": ("rapiddiff.eval.sample", "generate the images of an evaluation (batched, resumable, indexed)"),
-    "fid": ("rapiddiff.eval.fid", "FID between two image folders (InceptionV3, or the offline FID-CLIP variant)"),
+    "fid": (
+        "rapiddiff.eval.fid",
+        "FID between two image folders (InceptionV3, or the offline FID-CLIP variant)",
+    ),
     "clipscore": ("rapiddiff.eval.clipscore", "CLIPScore of an eval run with rapiddiff's Chinese CLIP"),
-    "knowledge": ("rapiddiff.eval.knowledge", "kshapes colour/shape accuracy, seen vs held-out, knowledge on vs off"),
-    "report": ("rapiddiff.eval.report", "self-contained HTML report (sample grids, metrics, model config) + PNG grid"),
+    "knowledge": (
+        "rapiddiff.eval.knowledge",
+        "kshapes colour/shape accuracy, seen vs held-out, knowledge on vs off",
+    ),
+    "report": (
+        "rapiddiff.eval.report",
+        "self-contained HTML report (sample grids, metrics, model config) + PNG grid",
+    ),
 }
 
 
