@@ -1,0 +1,533 @@
+"""Training plumbing every stage shares (U-Net, fine-tune, VAE, upscaler, CLIP).
+
+- :class:`RapidModule`: a LightningModule base that reseeds torch at every batch from
+  ``(seed, rank, batch)`` and stops on a non-finite loss (:class:`NonFiniteLossError`).
+- Callbacks: :class:`RollingCheckpoint` (keep the last N, written atomically through
+  :class:`AtomicCheckpointIO`), :class:`GracefulInterrupt` (Ctrl-C saves ``last.ckpt`` at the end of
+  the step and exits), :class:`SampleGrid` (validation images to PNG and TensorBoard).
+- :class:`ResumableSampler`: a seeded, rank-sharded sampler that resumes mid-epoch at the batch the
+  checkpoint stopped at, so a resumed run sees the same data in the same order.
+- :class:`OptimConfig` / :func:`configure_adamw`: AdamW + a diffusers LR schedule with warm-up.
+- :func:`run_cli`: the LightningCLI every ``rapiddiff train <stage>`` runs (``--ckpt_path`` resumes,
+  ``--output`` names the folder the final model is exported to).
+
+Why a per-batch reseed: Lightning checkpoints hold no RNG state, so after a resume the noise,
+timesteps, caption dropout and dropout masks would differ. Drawing them after
+``torch.manual_seed(f(seed, rank, batch))`` makes them a function of the batch number alone, and a
+resumed run reproduces the uninterrupted run's losses exactly (a test compares them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from rapiddiff.utils.io import atomic_open
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------- non-finite loss
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; training stopped before the bad step changed any weight."""
+
+
+def ensure_finite(loss: torch.Tensor, trainer: pl.Trainer | None, what: str = "loss") -> None:
+    """Raise :class:`NonFiniteLossError` if ``loss`` is not finite on any rank.
+
+    Checked before backward, so the weights in memory (and every checkpoint written so far) are
+    the last good ones; no checkpoint of the bad state is written. One host sync a step, as
+    diffusers' train_text_to_image.py does with ``loss.item()``.
+    """
+    finite = bool(torch.isfinite(loss.detach()).all())
+    if trainer is not None and trainer.world_size > 1:
+        # Every rank must stop together, or the others would wait forever in the next all-reduce.
+        finite = bool(trainer.strategy.reduce_boolean_decision(finite, all=True))
+    if not finite:
+        step = trainer.global_step if trainer is not None else "?"
+        where = ""
+        if trainer is not None and trainer.checkpoint_callback is not None:
+            last = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
+                trainer.checkpoint_callback, "best_model_path", ""
+            )
+            if last:
+                where = f" The last good checkpoint is {last}; resume from it with --ckpt_path."
+        raise NonFiniteLossError(
+            f"{what} is {loss.detach().float().mean().item()} at step {step}: training stopped, nothing "
+            f"of this step was saved.{where} Lower the learning rate, use bf16 instead of fp16, "
+            "or clip gradients (--trainer.gradient_clip_val=1.0)."
+        )
+
+
+# ----------------------------------------------------------------------------- the module base
+class RapidModule(pl.LightningModule):
+    """Base for rapiddiff's LightningModules: per-batch seeding, sample grids, export.
+
+    Subclasses implement ``training_step`` and may implement :meth:`sample_images` (what
+    :class:`SampleGrid` logs) and :meth:`export` (the final artefact, written by :func:`run_cli`).
+    """
+
+    seed: int = 0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        torch.manual_seed(batch_seed(self.seed, self.global_rank, self.trainer.fit_loop.total_batch_idx))
+
+    def sample_images(self) -> torch.Tensor | None:
+        """Images [N, 3, H, W] in [0, 1] for the validation grid (fixed inputs, fixed seeds)."""
+        return None
+
+    def export(self, path: Path) -> Path:
+        """Write the trained model to ``path`` in its release format; returns the path."""
+        raise NotImplementedError
+
+
+def batch_seed(seed: int, rank: int, batch: int) -> int:
+    """A torch seed for one batch on one rank (ints hash deterministically in Python)."""
+    return hash((int(seed), int(rank), int(batch))) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temporary file in the checkpoint's folder, fsync, then ``os.replace``.
+
+    Lightning's own save goes through an fsspec transaction whose temporary file lives in the
+    system temp folder; when that is another filesystem, the final ``shutil.move`` is a copy that
+    a crash can leave half-written (and nothing is fsynced). Local paths here are always atomic.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        if "://" in str(path):  # remote storage: Lightning's fsspec path
+            super().save_checkpoint(checkpoint, path)
+            return
+        with atomic_open(path, "wb") as handle:
+            torch.save(checkpoint, handle)
+
+
+class RollingCheckpoint(ModelCheckpoint):
+    """Save every N optimizer steps, keep the newest ``save_top_k``, and always ``last.ckpt``.
+
+    Defaults to ``<trainer.default_root_dir>/checkpoints`` (not the logger's versioned folder), so
+    ``--ckpt_path last`` finds the previous run's checkpoint.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int = 500,
+        save_top_k: int = 3,
+        save_last: bool = True,
+        filename: str = "step={step:07d}",
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor="step",  # newest wins: "the last N kept"
+            mode="max",
+            save_top_k=save_top_k,
+            save_last=save_last,
+            every_n_train_steps=every_n_train_steps,
+            auto_insert_metric_name=False,
+        )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = checkpoint_dir(trainer)
+        super().setup(trainer, pl_module, stage)
+
+
+def checkpoint_dir(trainer: pl.Trainer) -> str:
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.dirpath:
+        return str(callback.dirpath)
+    return os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+class SaveConfigBesideCheckpoints(SaveConfigCallback):
+    """LightningCLI's resolved config, written to the log folder and beside the checkpoints."""
+
+    def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:
+            folder = Path(checkpoint_dir(trainer))
+            folder.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(folder / self.config_filename), skip_none=False, overwrite=True)
+
+
+class GracefulInterrupt(Callback):
+    """Ctrl-C: finish the current step, save ``last.ckpt`` in the checkpoint folder, stop.
+
+    A second Ctrl-C aborts at once (Python's usual KeyboardInterrupt, nothing saved). The saved
+    state is at a step boundary, so resuming from it reproduces the uninterrupted run.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.interrupted = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("Ctrl-C: saving a checkpoint at the end of this step (press again to abort now)")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._previous is not None:
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        requested = self.requested
+        if trainer.world_size > 1:  # all ranks save at the same step
+            requested = bool(trainer.strategy.reduce_boolean_decision(requested, all=False))
+        if not requested or self.interrupted:
+            return
+        path = Path(checkpoint_dir(trainer)) / "last.ckpt"
+        trainer.save_checkpoint(str(path))
+        if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
+            trainer.checkpoint_callback.last_model_path = str(path)
+        log.warning("saved %s at step %d; resume with --ckpt_path %s", path, trainer.global_step, path)
+        self.interrupted = True
+        trainer.should_stop = True
+
+
+# ----------------------------------------------------------------------------- sample grids
+class SampleGrid(Callback):
+    """Every ``every_n_steps`` optimizer steps (and at the end): ``pl_module.sample_images()``
+    as a PNG grid in ``<log_dir>/samples/step=NNNNNNN.png`` and as a TensorBoard image.
+
+    Runs on every rank (a sharded model needs all of them to sample); rank 0 writes.
+    """
+
+    def __init__(self, every_n_steps: int = 500, nrow: int = 4, at_end: bool = True) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"SampleGrid.every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.nrow = nrow
+        self.at_end = at_end
+        self._last_step = -1
+        self.saved: list[Path] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step != self._last_step and step > 0 and step % self.every_n_steps == 0:
+            self.log_grid(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_end and trainer.global_step != self._last_step:
+            self.log_grid(trainer, pl_module)
+
+    def log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
+        from torchvision.utils import make_grid
+
+        self._last_step = trainer.global_step
+        sampler = getattr(pl_module, "sample_images", None)
+        if sampler is None:
+            return None
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with torch.no_grad(), trainer.precision_plugin.forward_context():
+                images = sampler()
+        finally:
+            pl_module.train(was_training)
+        if images is None or not trainer.is_global_zero:
+            return None
+        grid = make_grid(images.detach().float().clamp(0, 1).cpu(), nrow=self.nrow, padding=2)  # (3, H', W')
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_image"):
+                experiment.add_image("samples", grid, trainer.global_step)
+        folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"
+        path = folder / f"step={trainer.global_step:07d}.png"
+        save_png(grid, path)
+        self.saved.append(path)
+        return path
+
+
+def save_png(image: torch.Tensor, path: Path) -> None:
+    """A [3, H, W] tensor in [0, 1] as a PNG, written atomically."""
+    from PIL import Image
+
+    array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    with atomic_open(path, "wb") as handle:
+        Image.fromarray(array).save(handle, format="PNG")
+
+
+# ----------------------------------------------------------------------------- data order
+class ResumableSampler(Sampler[int]):
+    """Seeded shuffle per epoch, sharded across ranks, that resumes at a batch inside an epoch.
+
+    Epoch ``e`` uses the permutation of ``torch.Generator().manual_seed(seed + e)`` (padded so every
+    rank gets the same count, as ``DistributedSampler`` does); rank ``r`` of ``w`` takes every w-th
+    index. :meth:`skip` drops the batches a resumed run has already trained on (once).
+    Lightning's own restore covers optimizer, schedulers and loop counters but not the data
+    position for plain samplers, hence this class.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        dataset: Any = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError("the dataset is empty: nothing to train on")
+        self.size = size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self._skip = 0
+        self._dataset = dataset  # told the epoch too, for per-epoch deterministic augmentation
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        if self._dataset is not None and hasattr(self._dataset, "set_epoch"):
+            self._dataset.set_epoch(self.epoch)
+
+    def skip(self, samples: int) -> None:
+        self._skip = int(samples)
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            indices = order.tolist()
+        else:
+            indices = list(range(self.size))
+        per_rank = math.ceil(self.size / self.world_size)
+        indices += indices[: per_rank * self.world_size - len(indices)]
+        return indices[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self._indices()[self._skip :]
+        self._skip = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return math.ceil(self.size / self.world_size)
+
+
+def resumable_loader(
+    dataset: Dataset,
+    trainer: pl.Trainer | None,
+    *,
+    batch_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    collate_fn: Any = None,
+) -> DataLoader:
+    """A training DataLoader over :class:`ResumableSampler`, positioned where ``trainer`` resumes.
+
+    Set ``use_distributed_sampler=False`` on the Trainer (:func:`run_cli` does): this sampler
+    shards by rank itself.
+    """
+    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+    sampler = ResumableSampler(
+        len(dataset), seed=seed, shuffle=shuffle, rank=rank, world_size=world, dataset=dataset
+    )
+    if trainer is not None:
+        sampler.set_epoch(trainer.current_epoch)
+        # Restored loop counters say how many batches of this epoch were already trained on.
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if done:
+            sampler.skip(done * batch_size)
+    if len(sampler) < batch_size and drop_last:
+        raise ValueError(
+            f"{len(sampler)} examples per process but batch_size={batch_size}: lower the batch size "
+            "or add data (drop_last would leave no batch)"
+        )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,  # workers must see the dataset's epoch, set before each iter
+    )
+
+
+# ----------------------------------------------------------------------------- optimisation
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-4
+    """Peak learning rate (after warm-up)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-2
+    eps: float = 1e-8
+    schedule: Literal[
+        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
+    ] = "constant_with_warmup"
+    """A diffusers.optimization.get_scheduler name; stepped every optimizer step."""
+    warmup_steps: int = 500
+    """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
+    fused: bool = False
+    """torch's fused AdamW kernel (CUDA only): fewer launches per step."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+def configure_adamw(module: pl.LightningModule, params: Sequence[Any], cfg: OptimConfig) -> dict[str, Any]:
+    """``configure_optimizers``' return value: AdamW over ``params`` + a per-step LR schedule."""
+    from diffusers.optimization import get_scheduler
+
+    if not params:
+        raise ValueError("nothing to train: every parameter is frozen (check the `train` setting)")
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        eps=cfg.eps,
+        fused=cfg.fused or None,
+    )
+    total = module.trainer.estimated_stepping_batches if module._trainer is not None else 1
+    total = int(total) if math.isfinite(total) else 10**9
+    scheduler = get_scheduler(
+        cfg.schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(total, 1)
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def psnr(prediction: torch.Tensor, target: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    """Peak signal-to-noise ratio per image [N], in dB (images in [0, data_range])."""
+    mse = ((prediction.float() - target.float()) ** 2).flatten(1).mean(1)
+    return 10 * torch.log10(data_range**2 / mse.clamp_min(1e-12))
+
+
+# ----------------------------------------------------------------------------- the CLI
+class RapidCLI(LightningCLI):
+    """LightningCLI with rapiddiff's checkpoints, sample grids, Ctrl-C handling and export."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(RollingCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(SampleGrid, "samples")
+        parser.add_argument(
+            "--ckpt_path",
+            default=None,
+            help="resume from this checkpoint ('last' = the newest last.ckpt in the checkpoint folder)",
+        )
+        parser.add_argument(
+            "--output",
+            default=None,
+            help="folder for the final model (default: <trainer.default_root_dir>/model)",
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        config = self._get(self.config_init, "trainer", default={})
+        plugins = config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, TorchCheckpointIO) for p in plugins) and not _sharded(config):
+            plugins.append(AtomicCheckpointIO())
+        self.interrupt = GracefulInterrupt()
+        callbacks = config.get("callbacks") or []
+        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), self.interrupt]
+        kwargs = {"plugins": plugins, "callbacks": callbacks, "use_distributed_sampler": False, **kwargs}
+        return super().instantiate_trainer(**kwargs)
+
+
+def _sharded(trainer_config: dict[str, Any]) -> bool:
+    """FSDP/DeepSpeed write their own (sharded) checkpoints; leave their IO alone."""
+    strategy = trainer_config.get("strategy")
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    return any(key in str(name).lower() for key in ("fsdp", "deepspeed"))
+
+
+def run_cli(
+    model_class: type[RapidModule],
+    datamodule_class: type[pl.LightningDataModule],
+    args: list[str] | None,
+    *,
+    description: str,
+    trainer_defaults: dict[str, Any] | None = None,
+) -> RapidCLI:
+    """Parse ``args``, fit, and export the final model when the run completed (not on Ctrl-C)."""
+    defaults = {"max_steps": 1000, "log_every_n_steps": 10, **(trainer_defaults or {})}
+    with warnings.catch_warnings():
+        # `rapiddiff train <stage>` hands LightningCLI its args while sys.argv holds the whole
+        # command (which DDP's launcher must see unchanged); the warning about both is noise here.
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+        cli = _make_cli(model_class, datamodule_class, args, description, defaults)
+    trainer, model = cli.trainer, cli.model
+    trainer.fit(model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    if cli.interrupt.interrupted:
+        return cli
+    output = cli.config.get("output") or os.path.join(trainer.default_root_dir, "model")
+    if trainer.is_global_zero:
+        path = model.export(Path(output))
+        cli.parser.save(cli.config, str(Path(path) / "training_config.yaml"), skip_none=False, overwrite=True)
+        log.info("saved the trained model to %s", path)
+    trainer.strategy.barrier("export")
+    cli.exported = Path(output)  # type: ignore[attr-defined]
+    return cli
+
+
+def _make_cli(
+    model_class: type[RapidModule],
+    datamodule_class: type[pl.LightningDataModule],
+    args: list[str] | None,
+    description: str,
+    defaults: dict[str, Any],
+) -> RapidCLI:
+    return RapidCLI(
+        model_class,
+        datamodule_class,
+        args=args,
+        run=False,
+        save_config_callback=SaveConfigBesideCheckpoints,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults=defaults,
+        parser_kwargs={"description": description},
+        auto_configure_optimizers=False,
+    )

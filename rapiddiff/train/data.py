@@ -1,0 +1,260 @@
+"""DataModules: image–caption data (U-Net, fine-tune, VAE) and low/high-resolution pairs (upscaler).
+
+Both train through :func:`rapiddiff.train.common.resumable_loader` (seeded order, exact resume).
+Image–caption data comes from :class:`rapiddiff.data.loader.ImageTextDataset` (an imagefolder with
+``metadata.jsonl`` or a CSV/TSV/JSONL/parquet file); items are ``{"pixel_values": [3, H, W] in
+[-1, 1], "text": str, "index": int}``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from rapiddiff.train.common import resumable_loader
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def open_image_text_dataset(source: str | Path, image_size: int, **options: Any) -> Dataset:
+    """The data helper's ImageTextDataset; a minimal imagefolder reader until that module lands."""
+    try:
+        from rapiddiff.data.loader import ImageTextDataset
+    except ImportError:
+        return _ImageFolderStandIn(source, image_size)
+    return ImageTextDataset(source, image_size=image_size, **options)
+
+
+class _ImageFolderStandIn(Dataset):
+    """Stand-in for ImageTextDataset (imagefolder + metadata.jsonl only; resize + centre crop)."""
+
+    def __init__(self, source: str | Path, image_size: int) -> None:
+        self.root = Path(source)
+        meta = self.root / "metadata.jsonl"
+        if not meta.is_file():
+            raise FileNotFoundError(
+                f"{meta}: missing; an image folder needs metadata.jsonl (file_name, text)"
+            )
+        rows = [json.loads(line) for line in meta.read_text(encoding="utf-8").splitlines() if line.strip()]
+        self.rows = [(self.root / r["file_name"], str(r.get("text", ""))) for r in rows]
+        self.image_size = image_size
+        self.skipped: list[tuple[Any, str]] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        path, text = self.rows[index]
+        return {"pixel_values": load_image(path, self.image_size), "text": text, "index": index}
+
+
+def load_image(path: Path, size: int | None = None) -> torch.Tensor:
+    """An RGB image as [3, H, W] in [-1, 1]; ``size`` resizes the shorter side and centre-crops."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img = img.convert("RGB")
+        if size is not None and img.size != (size, size):
+            scale = size / min(img.size)
+            w, h = max(size, round(img.width * scale)), max(size, round(img.height * scale))
+            img = img.resize((w, h), Image.BICUBIC)
+            left, top = (w - size) // 2, (h - size) // 2
+            img = img.crop((left, top, left + size, top + size))
+        array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()  # (3, H, W)
+
+
+class ImageTextData(pl.LightningDataModule):
+    """Image–caption data for the U-Net, fine-tune and VAE stages.
+
+    Args:
+        train: training data (an imagefolder with metadata.jsonl, or a CSV/TSV/JSONL/parquet file).
+        val: validation data (same formats); optional.
+        image_size: images are resized and centre-cropped to this square size.
+        batch_size: per process (the global batch is this × devices × gradient accumulation).
+        num_workers: DataLoader worker processes.
+        seed: seed of the data order (epoch e shuffles with seed + e).
+        dataset_options: extra keyword arguments for ImageTextDataset (columns, flips, ...).
+    """
+
+    def __init__(
+        self,
+        train: str,
+        val: str | None = None,
+        image_size: int = 128,
+        batch_size: int = 8,
+        num_workers: int = 2,
+        seed: int = 0,
+        dataset_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_source, self.val_source = train, val
+        self.image_size, self.batch_size, self.num_workers, self.seed = (
+            image_size,
+            batch_size,
+            num_workers,
+            seed,
+        )
+        self.options = dict(dataset_options or {})
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is None:
+            self.train_set = open_image_text_dataset(self.train_source, self.image_size, **self.options)
+        if self.val_source and self.val_set is None:
+            self.val_set = open_image_text_dataset(self.val_source, self.image_size, **self.options)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        return resumable_loader(
+            self.train_set,
+            self.trainer,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            seed=self.seed,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+
+# ----------------------------------------------------------------------------- paired images
+class PairedImageDataset(Dataset):
+    """Low/high-resolution pairs: the same file names in ``lr_dir`` and ``hr_dir`` (hr = scale × lr).
+
+    kshapes writes ``DIR/train/`` and ``DIR/hr/train/``; any folder pair of that shape works.
+    ``patch_size`` (low-resolution pixels) crops aligned random patches, with crop positions a
+    function of (seed, epoch, index) so a resumed run crops the same patches; ``None`` keeps
+    whole images. Items: ``{"lr": [3, h, w], "hr": [3, h·s, w·s]}`` in [0, 1], ``"index"``.
+    """
+
+    def __init__(
+        self,
+        lr_dir: str | Path,
+        hr_dir: str | Path,
+        *,
+        scale: int = 4,
+        patch_size: int | None = None,
+        seed: int = 0,
+        flips: bool = True,
+    ) -> None:
+        self.lr_dir, self.hr_dir = Path(lr_dir), Path(hr_dir)
+        for folder in (self.lr_dir, self.hr_dir):
+            if not folder.is_dir():
+                raise FileNotFoundError(f"image folder not found: {folder}")
+        lows = {p.name for p in self.lr_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES}
+        highs = {p.name for p in self.hr_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES}
+        self.names = sorted(lows & highs)
+        if not self.names:
+            raise ValueError(
+                f"no image file name appears in both {self.lr_dir} and {self.hr_dir}; the pairs must share names"
+            )
+        missing = sorted(lows ^ highs)
+        if missing:
+            raise ValueError(
+                f"{len(missing)} images have no partner (e.g. {missing[0]}); {self.lr_dir} and "
+                f"{self.hr_dir} must hold the same file names"
+            )
+        self.scale, self.patch_size, self.seed, self.flips = scale, patch_size, seed, flips
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        name = self.names[index]
+        lr = (load_image(self.lr_dir / name) + 1) / 2  # (3, h, w) in [0, 1]
+        hr = (load_image(self.hr_dir / name) + 1) / 2  # (3, h·s, w·s)
+        s = self.scale
+        if hr.shape[-2:] != (lr.shape[-2] * s, lr.shape[-1] * s):
+            raise ValueError(
+                f"{self.hr_dir / name}: size {tuple(hr.shape[-2:])} is not {s}× {self.lr_dir / name} "
+                f"({tuple(lr.shape[-2:])})"
+            )
+        rng = random.Random(hash((self.seed, self.epoch, index)))
+        if self.patch_size is not None:
+            p = self.patch_size
+            h, w = lr.shape[-2:]
+            if p > min(h, w):
+                raise ValueError(f"patch_size={p} is larger than {self.lr_dir / name} ({h}×{w})")
+            top, left = rng.randint(0, h - p), rng.randint(0, w - p)
+            lr = lr[:, top : top + p, left : left + p]
+            hr = hr[:, top * s : (top + p) * s, left * s : (left + p) * s]
+        if self.flips and rng.random() < 0.5:
+            lr, hr = lr.flip(-1), hr.flip(-1)
+        return {"lr": lr, "hr": hr, "index": index}
+
+
+class PairedImageData(pl.LightningDataModule):
+    """Low/high-resolution image pairs for the upscaler.
+
+    Args:
+        train_lr: folder of low-resolution training images (e.g. ``kshapes/train``).
+        train_hr: folder of the same images at ``scale``× (e.g. ``kshapes/hr/train``).
+        val_lr: low-resolution validation images; optional.
+        val_hr: their high-resolution partners.
+        scale: upscaling factor between the two folders.
+        patch_size: low-resolution crop size for training (None = whole images).
+        batch_size: per process.
+        num_workers: DataLoader worker processes.
+        seed: seed of data order and crop positions.
+    """
+
+    def __init__(
+        self,
+        train_lr: str,
+        train_hr: str,
+        val_lr: str | None = None,
+        val_hr: str | None = None,
+        scale: int = 4,
+        patch_size: int | None = 32,
+        batch_size: int = 16,
+        num_workers: int = 2,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_set: PairedImageDataset | None = None
+        self.val_set: PairedImageDataset | None = None
+
+    def setup(self, stage: str) -> None:
+        hp = self.hparams
+        if self.train_set is None:
+            self.train_set = PairedImageDataset(
+                hp.train_lr, hp.train_hr, scale=hp.scale, patch_size=hp.patch_size, seed=hp.seed
+            )
+        if hp.val_lr and self.val_set is None:
+            if not hp.val_hr:
+                raise ValueError("data.val_lr is set but data.val_hr is not: give both validation folders")
+            self.val_set = PairedImageDataset(
+                hp.val_lr, hp.val_hr, scale=hp.scale, patch_size=None, flips=False
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        return resumable_loader(
+            self.train_set,
+            self.trainer,
+            batch_size=self.hparams.batch_size,
+            num_workers=self.hparams.num_workers,
+            seed=self.hparams.seed,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=1, num_workers=self.hparams.num_workers)

@@ -1,0 +1,559 @@
+"""``rapiddiff train unet``: train a latent-diffusion U-Net on the knowledge-enhanced text encoder.
+
+The U-Net (diffusers ``UNet2DConditionModel``) is built from a preset or loaded from a folder;
+images become latents through a trained ``AutoencoderKL``; captions become hidden states through
+the :class:`~rapiddiff.models.text_encoder.KnowledgeTextEncoder`. One training step is the story
+of diffusers' train_text_to_image.py: encode → noise → target → loss. Options: caption dropout
+(classifier-free guidance), EMA, min-SNR weighting, noise offset, epsilon or v prediction, which
+modules train, latent caching, and the speed switches of :mod:`rapiddiff.train.speed`.
+
+    rapiddiff train unet --config configs/unet/kshapes.yaml [--trainer.max_steps=...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapiddiff.train.common import OptimConfig, RapidModule, configure_adamw, ensure_finite, run_cli
+from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.speed import SpeedConfig, apply_speedups, unfuse_for_saving
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+TrainableName = Literal["unet", "fusion", "text_encoder"]
+
+
+@dataclass(frozen=True)
+class DiffusionLoss:
+    """What the U-Net is asked to predict, and how errors are weighted."""
+
+    prediction_type: Literal["epsilon", "v_prediction"] | None = None
+    """None: the scheduler config's (epsilon for SD 1.x)."""
+    caption_dropout: float = 0.1
+    """Probability of training on the empty caption "" (classifier-free guidance needs it)."""
+    snr_gamma: float | None = None
+    """Min-SNR weighting (Hang et al. 2023), 5.0 is the paper's value; None = plain MSE."""
+    noise_offset: float = 0.0
+    """Add offset × N(0, 1) per image and channel to the noise: darker/brighter images (~0.05)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout must be in [0, 1], got {self.caption_dropout}")
+        if self.snr_gamma is not None and self.snr_gamma <= 0:
+            raise ValueError(f"snr_gamma must be > 0 (or null), got {self.snr_gamma}")
+
+
+@dataclass(frozen=True)
+class EMAConfig:
+    """Exponential moving average of the trained weights (diffusers' EMAModel)."""
+
+    decay: float = 0.9999
+    """Maximum decay."""
+    warmup: bool = True
+    """Ramp the decay up from 0 (diffusers' use_ema_warmup): early averages are not stuck at init."""
+    power: float = 2 / 3
+    """Warm-up curve: decay = 1 - (1 + step)^-power."""
+    update_after_step: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Validation images: every prompt with every seed, PNDM with classifier-free guidance."""
+
+    prompts: tuple[str, ...] = ("蓝色背景上有一个红色的圆形", "白色背景上有一个番茄")
+    seeds: tuple[int, ...] = (0, 1)
+    negative_prompt: str = ""
+    num_inference_steps: int = 25
+    guidance_scale: float = 7.5
+    size: int | None = None
+    """Image side in pixels; None = the U-Net's sample_size × the VAE factor."""
+
+
+_LOSS, _OPTIM, _EMA, _SAMPLING, _SPEED = (
+    DiffusionLoss(),
+    OptimConfig(),
+    EMAConfig(),
+    SamplingConfig(),
+    SpeedConfig(),
+)
+
+
+class LatentDiffusion(RapidModule):
+    """A latent-diffusion U-Net conditioned on the KnowledgeTextEncoder.
+
+    Args:
+        pretrained: a model folder (rapiddiff, Taiyi or SD 1.x) to start from; when set, the U-Net,
+            VAE, text encoder and scheduler come from it and the four arguments below are ignored.
+        unet: a U-Net preset ("kshapes", "sd15", "tiny") for random init, or a folder
+            (``unet/`` of a model folder, or the folder itself).
+        vae: a trained AutoencoderKL folder (``rapiddiff train vae`` output, or ``vae/`` of a model
+            folder); a preset name gives a random VAE (tests and benchmarks only).
+        text_encoder: a folder with ``text_encoder/`` + ``tokenizer/`` (a model folder or the CLIP
+            stage's output), or a BERT preset name for a fresh Chinese BERT tower.
+        scheduler: a folder with ``scheduler_config.json`` (or ``scheduler/`` inside); None: SD 1.x.
+        knowledge: a KnowledgeStore folder to attach (when the text encoder has none).
+        fusion_layers: encoder layers that receive knowledge (fresh text encoders only).
+        trainable: which parts train: "unet", "fusion" (knowledge fusion), "text_encoder" (the tower).
+        loss: prediction type, caption dropout, min-SNR, noise offset.
+        optim: AdamW and its learning-rate schedule.
+        ema: EMA of the trained weights (used for sampling and export); null = off.
+        sampling: validation prompts, seeds and sampler settings.
+        speed: gradient checkpointing, channels_last, fused QKV, torch.compile.
+        cache_latents: encode every training image once at the start (the VAE is frozen): faster
+            steps when the data fits in memory.
+        seed: seed for noise, timesteps and caption dropout (reseeded every batch).
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        unet: str = "kshapes",
+        vae: str = "runs/vae/kshapes/model",
+        text_encoder: str = "kshapes",
+        scheduler: str | None = None,
+        knowledge: str | None = None,
+        fusion_layers: Sequence[int] = (0,),
+        trainable: Sequence[TrainableName] = ("unet",),
+        loss: DiffusionLoss = _LOSS,
+        optim: OptimConfig = _OPTIM,
+        ema: EMAConfig | None = _EMA,
+        sampling: SamplingConfig = _SAMPLING,
+        speed: SpeedConfig = _SPEED,
+        cache_latents: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.loss_cfg, self.optim_cfg, self.sampling, self.seed = loss, optim, sampling, seed
+        self.cache_latents = cache_latents
+        parts = load_components(
+            pretrained=pretrained,
+            unet=unet,
+            vae=vae,
+            text_encoder=text_encoder,
+            scheduler=scheduler,
+            knowledge=knowledge,
+            fusion_layers=list(fusion_layers),
+        )
+        self.unet, self.vae, self.text_encoder = parts["unet"], parts["vae"], parts["text_encoder"]
+        self.scheduler_config = dict(parts["scheduler_config"])
+        if loss.prediction_type is not None:
+            self.scheduler_config["prediction_type"] = loss.prediction_type
+        from diffusers import DDPMScheduler
+
+        # The forward process of training: the model folder's betas, DDPM's add_noise/get_velocity.
+        self.noise_scheduler = DDPMScheduler.from_config(self.scheduler_config)
+        self.prediction_type = self.noise_scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"prediction_type {self.prediction_type!r}: use epsilon or v_prediction")
+        self._check_widths()
+        self.trained = self._select_trainable(list(trainable))
+        apply_speedups(self.unet, speed)
+        if speed.gradient_checkpointing and "text_encoder" in self.trained:
+            self.text_encoder.text_model.gradient_checkpointing_enable()
+        self.ema = self._make_ema(ema)
+        self._latents: torch.Tensor | None = None  # (N, 2·C, h, w) latent mean ‖ logvar when cached
+        self.strict_loading = False  # checkpoints hold trained weights only (see on_save_checkpoint)
+
+    # ------------------------------------------------------------------ set-up
+    def _check_widths(self) -> None:
+        width, cross = self.text_encoder.hidden_size, self.unet.config.cross_attention_dim
+        if width != cross:
+            raise ValueError(
+                f"the text encoder outputs {width}-wide states but the U-Net's cross_attention_dim is "
+                f"{cross}: pick a U-Net preset/folder of width {width}, or a text encoder of width {cross}"
+            )
+        if self.unet.config.in_channels != self.vae.config.latent_channels:
+            raise ValueError(
+                f"U-Net in_channels={self.unet.config.in_channels} but the VAE has "
+                f"latent_channels={self.vae.config.latent_channels}"
+            )
+
+    def _select_trainable(self, train: list[str]) -> list[str]:
+        allowed = {"unet", "fusion", "text_encoder"}
+        unknown = sorted(set(train) - allowed)
+        if unknown:
+            raise ValueError(f"trainable: unknown part(s) {unknown}; choose from {sorted(allowed)}")
+        if "fusion" in train and self.text_encoder.fusion is None:
+            raise ValueError(
+                "trainable: 'fusion' needs a knowledge store: set model.knowledge to a KnowledgeStore folder "
+                "or start from a text encoder saved with one"
+            )
+        self.requires_grad_(False)
+        for name in train:
+            self._part(name).requires_grad_(True)
+        return train
+
+    def _part(self, name: str) -> nn.Module:
+        if name == "unet":
+            return self.unet
+        if name == "fusion":
+            assert self.text_encoder.fusion is not None
+            return self.text_encoder.fusion
+        modules = nn.ModuleList([self.text_encoder.text_model])
+        if self.text_encoder.output_projection is not None:
+            modules.append(self.text_encoder.output_projection)
+        return modules
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def _make_ema(self, cfg: EMAConfig | None) -> Any:
+        if cfg is None:
+            return None
+        from diffusers.training_utils import EMAModel
+
+        return EMAModel(
+            self.trainable_parameters(),
+            decay=cfg.decay,
+            use_ema_warmup=cfg.warmup,
+            power=cfg.power,
+            update_after_step=cfg.update_after_step,
+            foreach=True,
+        )
+
+    def train(self, mode: bool = True) -> LatentDiffusion:
+        """Frozen parts stay in eval mode (no dropout) while the rest trains."""
+        super().train(mode)
+        if mode:
+            self.vae.eval()
+            for name in ("unet", "fusion", "text_encoder"):
+                if name not in self.trained and (name != "fusion" or self.text_encoder.fusion is not None):
+                    self._part(name).eval()
+        return self
+
+    def setup(self, stage: str) -> None:
+        # Frozen parts run in the training precision's dtype, as train_text_to_image.py casts
+        # vae/text_encoder to weight_dtype: half the memory, no per-op casts.
+        dtype = frozen_dtype(str(self.trainer.precision))
+        self.vae.to(dtype=dtype)
+        if "text_encoder" not in self.trained:
+            self.text_encoder.text_model.to(dtype=dtype)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return configure_adamw(self, self.trainable_parameters(), self.optim_cfg)
+
+    # ------------------------------------------------------------------ one step
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        latents = self.encode_images(batch)  # (B, C, h, w), scaled
+        context = self.encode_text(self.drop_captions(batch["text"]))  # (B, L, D)
+        noise = self.sample_noise(latents)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
+        )
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        target = self.target(latents, noise, timesteps)
+        prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
+        loss = self.diffusion_loss(prediction, target, timesteps)
+        ensure_finite(loss, self._trainer)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """The same loss with noise and timesteps fixed per batch, so curves are comparable."""
+        generator = torch.Generator().manual_seed(10_000 + batch_idx)
+        latents = self.encode_images(batch, sample=False)
+        context = self.encode_text(list(batch["text"]))
+        noise = torch.randn(latents.shape, generator=generator).to(latents)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator
+        ).to(latents.device)
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
+        loss = F.mse_loss(prediction.float(), self.target(latents, noise, timesteps).float())
+        self.log("val/loss", loss, sync_dist=True)
+        return loss
+
+    def encode_images(self, batch: dict[str, Any], sample: bool = True) -> torch.Tensor:
+        """Pixels [-1, 1] → VAE latents × scaling_factor (from the cache when it is filled)."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if self._latents is not None and sample:
+            params = self._latents[batch["index"].cpu()].to(self.device)
+        else:
+            with torch.no_grad():
+                params = self.vae.encode(batch["pixel_values"].to(self.vae.dtype)).latent_dist.parameters
+        dist = DiagonalGaussianDistribution(params.float())
+        latents = dist.sample() if sample else dist.mode()
+        return latents * self.vae.config.scaling_factor
+
+    def drop_captions(self, captions: Sequence[str]) -> list[str]:
+        """Replace each caption by "" with probability caption_dropout (for guidance)."""
+        drop = torch.rand(len(captions)) < self.loss_cfg.caption_dropout
+        return ["" if d else c for c, d in zip(captions, drop.tolist(), strict=True)]
+
+    def encode_text(self, captions: Sequence[str]) -> torch.Tensor:
+        tokens = {k: v.to(self.device) for k, v in self.text_encoder.tokenize(list(captions)).items()}
+        with torch.set_grad_enabled(
+            torch.is_grad_enabled() and bool({"fusion", "text_encoder"} & set(self.trained))
+        ):
+            return self.text_encoder(**tokens)
+
+    def sample_noise(self, latents: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn_like(latents)
+        if self.loss_cfg.noise_offset:
+            # Per image and channel: lets the model shift overall brightness (Guttenberg 2023).
+            noise = noise + self.loss_cfg.noise_offset * torch.randn(
+                latents.shape[0], latents.shape[1], 1, 1, device=latents.device, dtype=latents.dtype
+            )
+        return noise
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        if self.prediction_type == "v_prediction":
+            return self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        return noise
+
+    def diffusion_loss(
+        self, prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """MSE, optionally min-SNR weighted (as diffusers' train_text_to_image.py computes it)."""
+        if self.loss_cfg.snr_gamma is None:
+            return F.mse_loss(prediction.float(), target.float())
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(self.noise_scheduler, timesteps)
+        weights = snr.clamp(max=self.loss_cfg.snr_gamma)
+        weights = weights / (snr + 1) if self.prediction_type == "v_prediction" else weights / snr
+        per_image = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        return (per_image * weights).mean()
+
+    # ------------------------------------------------------------------ EMA and checkpoints
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.ema is not None:
+            self.ema.step(self.trainable_parameters())
+
+    def on_fit_start(self) -> None:
+        if self.ema is not None:
+            self.ema.to(self.device)
+
+    def on_train_start(self) -> None:
+        if self.cache_latents and self._latents is None:
+            self._latents = self._encode_dataset(self.trainer.train_dataloader)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Only what training changes: frozen weights come back from the config's sources.
+        trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        frozen = {n for n, _ in self.named_parameters()} - trained
+        state = checkpoint["state_dict"]
+        for name in frozen & set(state):
+            del state[name]
+        if self.ema is not None:
+            checkpoint["ema"] = self.ema.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        missing = sorted(trained - set(checkpoint["state_dict"]))
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} trained weights (e.g. {missing[0]}): it was written "
+                "with other `trainable` parts, LoRA or speed.fuse_qkv settings; resume with the same model config"
+            )
+        if self.ema is not None:
+            if "ema" not in checkpoint:
+                raise ValueError(
+                    "the checkpoint has no EMA state but model.ema is set; resume with ema: null"
+                )
+            self.ema.load_state_dict(checkpoint["ema"])
+
+    @torch.no_grad()
+    def _encode_dataset(self, loader: Any) -> torch.Tensor:
+        from torch.utils.data import DataLoader
+        from tqdm.auto import tqdm
+
+        dataset = loader.dataset
+        plain = DataLoader(
+            dataset, batch_size=loader.batch_size, num_workers=loader.num_workers, shuffle=False
+        )
+        cache: torch.Tensor | None = None
+        for batch in tqdm(plain, desc="caching latents", disable=not self.trainer.is_global_zero):
+            params = self.vae.encode(
+                batch["pixel_values"].to(self.device, self.vae.dtype)
+            ).latent_dist.parameters
+            if cache is None:
+                cache = torch.empty((len(dataset), *params.shape[1:]), dtype=torch.float32)
+            cache[batch["index"]] = params.float().cpu()
+        assert cache is not None
+        return cache
+
+    # ------------------------------------------------------------------ sampling and export
+    def sample_images(self) -> torch.Tensor:
+        s = self.sampling
+        prompts = [p for p in s.prompts for _ in s.seeds]
+        seeds = [seed for _ in s.prompts for seed in s.seeds]
+        with self.ema_weights():
+            return self.generate(prompts, seeds)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+        """PNDM sampling with classifier-free guidance → images [N, 3, H, W] in [0, 1]."""
+        from diffusers import PNDMScheduler
+
+        s = self.sampling
+        scheduler = PNDMScheduler.from_config(self.scheduler_config)
+        scheduler.set_timesteps(s.num_inference_steps, device=self.device)
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        side = (s.size // factor) if s.size else int(self.unet.config.sample_size)
+        cond = self.text_encoder.encode(prompts)  # (N, L, D)
+        uncond = self.text_encoder.encode([s.negative_prompt] * len(prompts))
+        context = torch.cat([uncond, cond]).to(self.unet.dtype)
+        shape = (self.unet.config.in_channels, side, side)
+        latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
+        latents = latents.to(self.device) * scheduler.init_noise_sigma  # (N, C, h, w)
+        for t in scheduler.timesteps:
+            model_input = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+            out_uncond, out_cond = self.unet(model_input, t, encoder_hidden_states=context).sample.chunk(2)
+            guided = out_uncond + s.guidance_scale * (out_cond - out_uncond)
+            latents = scheduler.step(guided, t, latents).prev_sample
+        images = self.vae.decode((latents / self.vae.config.scaling_factor).to(self.vae.dtype)).sample
+        return ((images.float() + 1) / 2).clamp(0, 1)
+
+    class _EMASwap:
+        def __init__(self, module: LatentDiffusion) -> None:
+            self.module = module
+
+        def __enter__(self) -> None:
+            ema = self.module.ema
+            if ema is not None:
+                params = self.module.trainable_parameters()
+                ema.store(params)
+                ema.copy_to(params)
+
+        def __exit__(self, *exc: Any) -> None:
+            if self.module.ema is not None:
+                self.module.ema.restore(self.module.trainable_parameters())
+
+    def ema_weights(self) -> LatentDiffusion._EMASwap:
+        """Context: the EMA weights in place of the trained ones (no-op without EMA)."""
+        return LatentDiffusion._EMASwap(self)
+
+    def export(self, path: Path) -> Path:
+        """The model folder (DESIGN.md layout, diffusers-loadable), EMA weights when EMA is on."""
+        from diffusers import PNDMScheduler
+
+        from rapiddiff.models.bundle import ModelBundle, save_model_folder
+
+        if self.ema is not None:
+            self.ema.copy_to(self.trainable_parameters())
+        unfuse_for_saving(self.unet)
+        self.vae.to(dtype=torch.float32)
+        self.text_encoder.text_model.to(dtype=torch.float32)
+        unet = getattr(self.unet, "_orig_mod", self.unet)
+        bundle = ModelBundle(
+            unet, self.vae, PNDMScheduler.from_config(self.scheduler_config), self.text_encoder
+        )
+        return save_model_folder(bundle, path)
+
+
+def frozen_dtype(precision: str) -> torch.dtype:
+    """dtype for frozen modules under a Trainer precision ("bf16-mixed" → bfloat16, ...)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+# ----------------------------------------------------------------------------- loading parts
+def _is_preset(value: str, names: Sequence[str]) -> bool:
+    return value in names and not Path(value).exists()
+
+
+def _subfolder(path: Path, name: str, marker: str = "config.json") -> Path:
+    """``path/name`` when it holds the component, else ``path`` itself (a bare component folder)."""
+    if (path / name / marker).is_file():
+        return path / name
+    if (path / marker).is_file():
+        return path
+    raise FileNotFoundError(
+        f"{path}: no {name}/{marker} or {marker}; expected a {name} folder or a model folder"
+    )
+
+
+def load_components(
+    *,
+    pretrained: str | None,
+    unet: str,
+    vae: str,
+    text_encoder: str,
+    scheduler: str | None,
+    knowledge: str | None,
+    fusion_layers: list[int],
+) -> dict[str, Any]:
+    """U-Net, VAE, KnowledgeTextEncoder and the scheduler config, from presets or folders."""
+    import json
+
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    from rapiddiff.models import presets
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+    if pretrained is not None:
+        from rapiddiff.models.bundle import load_model_folder
+
+        bundle = load_model_folder(pretrained, load_upscaler=False)
+        parts: dict[str, Any] = {
+            "unet": bundle.unet,
+            "vae": bundle.vae,
+            "text_encoder": bundle.text_encoder,
+            "scheduler_config": dict(bundle.scheduler.config),
+        }
+    else:
+        if _is_preset(unet, presets.PRESETS):
+            unet_model = UNet2DConditionModel(**presets.unet_config(unet))
+        else:
+            unet_model = UNet2DConditionModel.from_pretrained(str(_subfolder(Path(unet), "unet")))
+        if _is_preset(vae, presets.PRESETS):
+            log.warning("VAE preset %r: random weights — only for tests and benchmarks", vae)
+            vae_model = AutoencoderKL(**presets.vae_config(vae))
+        else:
+            vae_model = AutoencoderKL.from_pretrained(str(_subfolder(Path(vae), "vae")))
+        if _is_preset(text_encoder, presets.PRESETS):
+            from transformers import BertConfig, BertModel
+
+            from rapiddiff.models.text_encoder import chinese_bert_tokenizer
+
+            tower = BertModel(BertConfig(**presets.bert_text_config(text_encoder)), add_pooling_layer=False)
+            encoder = KnowledgeTextEncoder(
+                tower,
+                chinese_bert_tokenizer(),
+                fusion_layers=fusion_layers,
+                out_dim=unet_model.config.cross_attention_dim,
+            )
+        else:
+            encoder = KnowledgeTextEncoder.from_pretrained(text_encoder)
+        config = presets.scheduler_config()
+        if scheduler is not None:
+            file = _subfolder(Path(scheduler), "scheduler", "scheduler_config.json") / "scheduler_config.json"
+            config = json.loads(file.read_text(encoding="utf-8"))
+        parts = {"unet": unet_model, "vae": vae_model, "text_encoder": encoder, "scheduler_config": config}
+    if knowledge is not None:
+        from rapiddiff.kg.store import KnowledgeStore
+
+        if parts["text_encoder"].store is not None:
+            log.warning(
+                "replacing the text encoder's KnowledgeStore with %s (fusion weights restart at zero)",
+                knowledge,
+            )
+        parts["text_encoder"].set_store(KnowledgeStore.load(knowledge))
+    for name in ("unet", "vae", "text_encoder"):
+        parts[name].train().requires_grad_(True)
+    return parts
+
+
+def cli_main(args: list[str] | None = None) -> None:
+    """``rapiddiff train unet``: LightningCLI over LatentDiffusion + ImageTextData."""
+    run_cli(
+        LatentDiffusion,
+        ImageTextData,
+        args,
+        description="Train a latent-diffusion U-Net on the knowledge-enhanced text encoder.",
+    )
