@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # No network here or in CI: any attempt to reach a model hub must fail fast, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PYSTOW_HOME", os.path.join(os.path.dirname(__file__), ".pystow-unused"))
+# pykeen/pystow cache datasets under PYSTOW_HOME: keep that out of the checkout and out of ~.
+os.environ.setdefault("PYSTOW_HOME", tempfile.mkdtemp(prefix="rapiddiff-pystow-"))
 
 import pytest
 
