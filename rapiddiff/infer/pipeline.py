@@ -301,7 +301,7 @@ class RapidDiffusionPipeline:
         scheduler: str = "pndm",
         eta: float = 0.0,
         upscale: bool = False,
-        knowledge: bool = True,
+        knowledge: bool | None = None,
         output_type: Literal["pil", "np", "pt", "latent"] = "pil",
         progress: bool = True,
     ) -> GenerationOutput:
@@ -309,6 +309,8 @@ class RapidDiffusionPipeline:
 
         ``seed``: an int ``s`` gives image ``k`` the seed ``s + k``; a list gives every image its
         own; ``None`` draws fresh seeds (returned in ``.seeds``, so any image can be remade).
+        ``knowledge``: fuse the KnowledgeStore's facts into the text states (``None``: as loaded);
+        ``False`` is the base text encoder exactly, the ablation switch.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
@@ -335,7 +337,9 @@ class RapidDiffusionPipeline:
         do_cfg = guidance_scale > 1.0
 
         previous = getattr(self.text_encoder, "knowledge", None)
-        if previous is not None:
+        if knowledge is None:
+            knowledge = bool(previous)  # as the pipeline was loaded (on, unless loaded with knowledge=False)
+        elif previous is not None:
             self.text_encoder.knowledge = knowledge
         try:
             with _inference():
