@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = [r for s in splits for r in by_split[s]]
     if not args.model.is_dir():
         raise FileNotFoundError(f"model folder not found: {args.model}")
-    pipe, fast = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)
+    pipe = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)
     settings = settings_from_args(args, knowledge=True)
     record = evaluate_knowledge(
         pipe,
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         overwrite=args.overwrite,
         workers=args.workers,
-        info={"kshapes": str(args.kshapes), "fast": fast, "model_config": model_config(args.model)},
+        info={"kshapes": str(args.kshapes), "fast": args.fast, "model_config": model_config(args.model)},
     )
     print(markdown_table(record["table"]))
     for w in record["warnings"]:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from rapiddiff.eval.common import (
@@ -49,6 +50,7 @@ class SampleSettings:
     upscale: bool = False
     seed: int = 0
     images_per_prompt: int = 1
+    fast: bool = False  # the fast path's images differ from eager ones by float noise: not mixed in a run
 
     def call_kwargs(self) -> dict[str, Any]:
         return {
@@ -285,26 +287,81 @@ def model_config(model_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def load_pipeline(
-    model: str | Path, *, device: str = "auto", dtype: str = "auto", fast: bool = False
-) -> tuple[Any, bool]:
-    """RapidDiffusionPipeline on the device; with ``fast``, through the fast path when installed.
+class FastSampler:
+    """The fast path (``rapiddiff.infer.accelerate``) behind the eager pipeline's call contract.
 
-    Returns (pipe, fast_path_applied).
+    ``FastPipeline`` runs the pipeline's own scheduler and text encoder as they are, so the
+    sampler, the knowledge switch and the upscaler are applied around it here. Noise comes from
+    one CPU generator per seed, as the eager pipeline draws it, so a seed gives the same start
+    on both paths.
     """
+
+    def __init__(self, pipe: Any, fast: Any) -> None:
+        self.pipe, self.fast = pipe, fast
+        self.text_encoder = pipe.text_encoder
+        self.device = getattr(fast, "device", None)
+        self._scheduler: str | None = None
+
+    def __call__(
+        self,
+        prompts: list[str],
+        negative_prompt: str | None = None,
+        *,
+        seed: Sequence[int],
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        height: int | None = None,
+        width: int | None = None,
+        scheduler: str = "pndm",
+        knowledge: bool = True,
+        upscale: bool = False,
+        progress: bool = False,
+    ) -> Any:
+        import torch
+
+        from rapiddiff.infer.pipeline import canonical_scheduler_name, make_scheduler, to_pil
+
+        name = canonical_scheduler_name(scheduler)
+        if name != self._scheduler:
+            self.pipe.scheduler = make_scheduler(name, self.pipe.scheduler.config)
+            self._scheduler = name
+        encoder = self.pipe.text_encoder
+        previous = getattr(encoder, "knowledge", None)
+        if previous is not None:
+            encoder.knowledge = knowledge
+        try:
+            out = self.fast(
+                list(prompts),
+                negative_prompt,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                height=height,
+                width=width,
+                generator=[torch.Generator("cpu").manual_seed(int(s)) for s in seed],
+                output_type="np" if upscale else "pil",
+            )
+        finally:
+            if previous is not None:
+                encoder.knowledge = previous
+        images = out.images
+        if upscale:
+            pixels = torch.from_numpy(images).permute(0, 3, 1, 2).to(self.pipe.device)
+            images = to_pil(self.pipe.upscale(pixels).cpu().permute(0, 2, 3, 1).float().numpy())
+        return SimpleNamespace(images=images, seeds=list(seed), metadata=None)
+
+
+def load_pipeline(model: str | Path, *, device: str = "auto", dtype: str = "auto", fast: bool = False) -> Any:
+    """RapidDiffusionPipeline on the device; with ``fast``, behind the fast path."""
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.utils.device import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     pipe = RapidDiffusionPipeline.from_pretrained(model, device=dev, dtype=resolve_dtype(dtype, dev))
     if not fast:
-        return pipe, False
-    try:
-        from rapiddiff.infer.accelerate import accelerate
-    except ImportError:
-        log.warning("--fast: rapiddiff.infer.accelerate is not in this install; sampling on the eager path")
-        return pipe, False
-    return accelerate(pipe) or pipe, True
+        return pipe
+    from rapiddiff.infer.accelerate import accelerate
+
+    return FastSampler(pipe, accelerate(pipe))
 
 
 # --- CLI ----------------------------------------------------------------------------------------
@@ -365,6 +422,7 @@ def settings_from_args(args: argparse.Namespace, *, knowledge: bool) -> SampleSe
         upscale=getattr(args, "upscale", False),
         seed=args.seed,
         images_per_prompt=args.images_per_prompt,
+        fast=args.fast,
     )
 
 
@@ -386,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
         source = str(args.dataset)
     settings = settings_from_args(args, knowledge=args.knowledge == "on")
     check_settings(args.out, settings, args.overwrite)  # before the model loads: fail fast
-    pipe, fast = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)
+    pipe = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)
     jobs = plan_jobs(prompts, args.images_per_prompt, args.seed)
     stats = generate(
         pipe,
@@ -397,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         info={
             "prompts": source,
-            "fast": fast,
+            "fast": args.fast,
             "model_config": model_config(args.model),
             "device": str(getattr(pipe, "device", args.device)),
         },

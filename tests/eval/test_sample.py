@@ -91,3 +91,24 @@ def test_read_prompts(tmp_path):
     bad.write_text('{"text": "a"}\n{"prompt": "b"}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"record 2 has no string 'text'"):
         read_prompts(bad)
+
+
+def test_fast_path_gives_the_eager_images(tiny_pipe):
+    """The fast-path adapter (its CPU-safe switches) draws the same noise per seed as the eager pipeline."""
+    from rapiddiff.eval.sample import FastSampler
+    from rapiddiff.infer.accelerate import accelerate
+
+    kw = dict(num_inference_steps=2, guidance_scale=7.5, scheduler="pndm", knowledge=True, upscale=False)
+    eager = tiny_pipe(["一个番茄", "一个香蕉"], seed=[5, 6], progress=False, **kw)
+    fast = accelerate(
+        tiny_pipe,
+        dtype=None,
+        compile_unet=None,
+        compile_vae=None,
+        loop="eager",
+        attention="default",
+        channels_last=False,
+    )
+    out = FastSampler(tiny_pipe, fast)(["一个番茄", "一个香蕉"], seed=[5, 6], **kw)
+    for a, b in zip(out.images, eager.images, strict=True):
+        np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), atol=1)
