@@ -8,8 +8,8 @@ output through another. Both are L2-normalised; logits are their dot product tim
 Image towers, by name:
 - ``chinese_clip``: ``ChineseCLIPVisionModel`` (a ViT) — from a config, or from an OFA-Sys
   checkpoint via :meth:`KnowledgeCLIP.from_chinese_clip`;
-- ``resnet18`` / ``resnet10``: torchvision ResNets with random init, for small domains such as
-  kshapes, where a ViT would be needlessly slow to train from scratch.
+- ``resnet18`` / ``resnet10``: torchvision ResNets with random init and a 3×3 pooling grid, for
+  small domains such as kshapes, where a ViT would be needlessly slow to train from scratch.
 
 Folder layout (:meth:`save_pretrained`): the text side exactly as
 :meth:`KnowledgeTextEncoder.save_pretrained` writes it (so the folder is also a text-encoder
@@ -38,6 +38,7 @@ CLIP_WEIGHTS = "clip.safetensors"
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_LOGIT_SCALE = math.log(100.0)
+GRID = 3  # ResNet towers pool their last feature map to GRID × GRID cells
 
 
 class ImageTower(nn.Module):
@@ -66,13 +67,16 @@ class ImageTower(nn.Module):
 
             layers = [2, 2, 2, 2] if name == "resnet18" else [1, 1, 1, 1]
             self.net = module if module is not None else ResNet(BasicBlock, layers)
-            self.width = self.net.fc.in_features if isinstance(self.net.fc, nn.Linear) else 512
+            # A 3×3 grid of pooled features instead of one global average: captions name where
+            # the object is (左上方, 中间, ...), and a global pool would throw that away.
+            self.net.avgpool = nn.AdaptiveAvgPool2d(GRID)
             self.net.fc = nn.Identity()
+            self.width = 512 * GRID * GRID
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         if self.name == "chinese_clip":
             return self.net(pixel_values=pixels).pooler_output  # (N, width): post-layernorm [CLS]
-        return self.net(pixels)  # (N, 512): global-average-pooled
+        return self.net(pixels)  # (N, 512 * 3 * 3): features pooled over a 3×3 grid
 
     def save(self, folder: Path) -> None:
         if self.name == "chinese_clip":

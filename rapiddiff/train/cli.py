@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # stage → (module with cli_main(args), one-line help)
-TRAIN_STAGES: dict[str, tuple[str, str]] = {}
+TRAIN_STAGES: dict[str, tuple[str, str]] = {
+    "clip": ("rapiddiff.train.clip", "contrastive knowledge-enhanced Chinese CLIP (text encoder + image tower)"),
+}
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ def _tiny_resnet_clip(store) -> KnowledgeCLIP:  # noqa: F811
     text_model = _bert_model()
     text_model.config.use_attention_mask = True
     encoder = KnowledgeTextEncoder(text_model, chinese_bert_tokenizer(16), store)
-    return KnowledgeCLIP.build(encoder, "resnet10", image_size=32, embed_dim=16)
+    return KnowledgeCLIP.build(encoder, "resnet10", image_size=32, embed_dim=16, pooling="mean")
 
 
 def test_save_and_load_resnet_clip(tmp_path, store):  # noqa: F811

@@ -1,0 +1,353 @@
+"""``rapiddiff train clip``: contrastive training of a KnowledgeCLIP (LightningCLI).
+
+The story of one step: captions are tokenized and entity-linked (in the main process, before
+the batch moves to the device); entity mentions are sometimes hidden (see below); text and image
+features are computed; gathered across GPUs; symmetric InfoNCE. At the end of fit the model is
+written with ``KnowledgeCLIP.save_pretrained`` to ``model.output_dir`` (default
+``<log dir>/model``), where ``rapiddiff eval recall`` and the U-Net stage read it.
+
+Entity-token dropout (knowledge on only): with probability ``entity_token_dropout`` an entity
+mention's tokens are replaced — half the time by [MASK], half by random vocabulary tokens — while
+its knowledge is still injected. A model that can always read the entity's name memorises names
+and ignores the KG; hiding the name makes it learn to read the injected knowledge, which is the
+only thing a held-out entity (a name never seen in training, i.e. untrained tokens) brings.
+
+Run: ``rapiddiff train clip --config configs/clip/kshapes.yaml [--trainer.max_steps=...]``;
+``--ckpt_path=last`` (or a file) resumes exactly, and the resolved config is saved beside the logs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.cli import LightningCLI
+
+from rapiddiff.models.clip import KnowledgeCLIP
+from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+Freeze = Literal["none", "image", "text", "all_but_fusion"]
+
+
+def _load_store(path: str) -> Any:
+    from rapiddiff.kg.store import KnowledgeStore
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"knowledge_store: folder not found: {path}; train one with `rapiddiff kg train --config ...`"
+        )
+    return KnowledgeStore.load(path)
+
+
+def build_clip(
+    *,
+    init_from: str | None,
+    text_tower: str,
+    max_length: int,
+    image_tower: str,
+    image_size: int,
+    embed_dim: int,
+    pooling: str,
+    store: Any,
+    fusion_layers: list[int],
+    max_relations: int,
+) -> KnowledgeCLIP:
+    """A KnowledgeCLIP from a checkpoint folder (Chinese-CLIP or KnowledgeCLIP) or from scratch."""
+    text_kwargs = {"fusion_layers": fusion_layers, "max_relations": max_relations}
+    if init_from:
+        model = KnowledgeCLIP.from_pretrained(init_from, **text_kwargs)
+        if store is not None and model.text_encoder.store is None:
+            model.text_encoder.set_store(store)
+        elif store is None and model.text_encoder.store is not None:
+            model.text_encoder.knowledge = False
+        return model
+    from transformers import BertConfig, BertModel
+
+    from rapiddiff.models.presets import bert_text_config
+
+    config = BertConfig(**bert_text_config(text_tower))
+    config.use_attention_mask = True  # saved in config.json; diffusers reads the same flag
+    config.max_position_embeddings = max(config.max_position_embeddings, max_length)
+    text = KnowledgeTextEncoder(
+        BertModel(config, add_pooling_layer=False), chinese_bert_tokenizer(max_length), store, **text_kwargs
+    )
+    return KnowledgeCLIP.build(text, image_tower, image_size=image_size, embed_dim=embed_dim, pooling=pooling)
+
+
+class CLIPTraining(pl.LightningModule):
+    """Contrastive training of a KnowledgeCLIP.
+
+    Args:
+        init_from: a Chinese-CLIP (OFA-Sys) or KnowledgeCLIP folder; None builds from scratch.
+        text_tower: BERT preset for a text tower from scratch (rapiddiff.models.presets), with the
+            Chinese BERT vocabulary.
+        max_length: tokens per caption (from scratch only).
+        image_tower: resnet18 / resnet10 / chinese_clip (from scratch only).
+        image_size: the image tower's input size (from scratch; Chinese-CLIP uses its own).
+        embed_dim: width of the joint embedding (from scratch only).
+        pooling: text pooling, [CLS] or mean over the mask (from scratch only).
+        knowledge_store: a KnowledgeStore folder (``rapiddiff kg train`` output); None: no knowledge.
+        knowledge: False trains without knowledge even when a store is given (the ablation).
+        fusion_layers: encoder layers whose input receives knowledge.
+        max_relations: ``e + r`` items per entity.
+        entity_token_dropout: chance that an entity mention's tokens are hidden (knowledge on only).
+        freeze: what not to train: the image tower, the text tower, or all but the fusion.
+        lr: learning rate of the towers and heads.
+        fusion_lr: learning rate of the fusion module and gates (default: lr).
+        weight_decay: AdamW weight decay (not on biases, norms, gates, temperature).
+        warmup_steps: linear warm-up, then cosine decay to zero over the run.
+        output_dir: where the final model is saved (default: ``<log dir>/model``).
+    """
+
+    def __init__(
+        self,
+        *,
+        init_from: str | None = None,
+        text_tower: str = "kshapes",
+        max_length: int = 32,
+        image_tower: Literal["resnet18", "resnet10", "chinese_clip"] = "resnet18",
+        image_size: int = 128,
+        embed_dim: int = 256,
+        pooling: Literal["cls", "mean"] = "cls",
+        knowledge_store: str | None = None,
+        knowledge: bool = True,
+        fusion_layers: list[int] | None = None,
+        max_relations: int = 8,
+        entity_token_dropout: float = 0.5,
+        freeze: Freeze = "none",
+        lr: float = 5e-4,
+        fusion_lr: float | None = None,
+        weight_decay: float = 0.05,
+        warmup_steps: int = 200,
+        output_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= entity_token_dropout <= 1.0:
+            raise ValueError(f"entity_token_dropout must be in [0, 1], got {entity_token_dropout}")
+        self.save_hyperparameters()
+        store = _load_store(knowledge_store) if knowledge and knowledge_store else None
+        self.model = build_clip(
+            init_from=init_from,
+            text_tower=text_tower,
+            max_length=max_length,
+            image_tower=image_tower,
+            image_size=image_size,
+            embed_dim=embed_dim,
+            pooling=pooling,
+            store=store,
+            fusion_layers=list(fusion_layers) if fusion_layers is not None else [0],
+            max_relations=max_relations,
+        )
+        self._apply_freeze(freeze)
+
+    # ------------------------------------------------------------------ setup
+    def _apply_freeze(self, freeze: str) -> None:
+        m = self.model
+        if freeze == "image":
+            for p in [*m.image_tower.parameters(), *m.visual_projection.parameters()]:
+                p.requires_grad_(False)
+        elif freeze == "text":
+            for p in m.text_encoder.text_model.parameters():
+                p.requires_grad_(False)
+        elif freeze == "all_but_fusion":
+            if m.text_encoder.fusion is None:
+                raise ValueError("freeze=all_but_fusion needs a knowledge_store: there is no fusion to train")
+            fusion = {id(p) for p in m.text_encoder.fusion.parameters()}
+            for p in m.parameters():
+                p.requires_grad_(id(p) in fusion)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        fusion = self.model.text_encoder.fusion
+        fusion_ids = {id(p) for p in fusion.parameters()} if fusion is not None else set()
+        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            no_decay = p.ndim < 2 or "logit_scale" in name  # biases, norms, gates, temperature
+            groups.setdefault((id(p) in fusion_ids, no_decay), []).append(p)
+        param_groups = [
+            {
+                "params": params,
+                "lr": (hp.fusion_lr or hp.lr) if is_fusion else hp.lr,
+                "weight_decay": 0.0 if no_decay else hp.weight_decay,
+            }
+            for (is_fusion, no_decay), params in groups.items()
+        ]
+        optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = min(hp.warmup_steps, total // 2)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ one step
+    def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
+        # Tokenizing and linking are CPU string work: done here, once per batch, before the copy.
+        batch.update(self.model.text_encoder.tokenize(batch["text"]))
+        return batch
+
+    def hide_entity_tokens(self, input_ids: torch.Tensor, token_entity_ids: torch.Tensor) -> torch.Tensor:
+        """Replace whole entity mentions, each with probability p, by [MASK] or random tokens."""
+        p = self.hparams.entity_token_dropout
+        linked = token_entity_ids >= 0
+        if p == 0 or not linked.any():
+            return input_ids
+        prev = F.pad(token_entity_ids[:, :-1], (1, 0), value=-1)
+        starts = linked & (token_entity_ids != prev)
+        span = (starts.flatten().cumsum(0) - 1).view_as(starts).clamp(min=0)  # mention index per token
+        n = int(starts.sum())
+        hide = torch.rand(n, device=input_ids.device) < p
+        use_mask = torch.rand(n, device=input_ids.device) < 0.5
+        tokenizer = self.model.text_encoder.tokenizer
+        mask_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
+        low = max(tokenizer.all_special_ids) + 1
+        random_ids = torch.randint(low, len(tokenizer), input_ids.shape, device=input_ids.device)
+        replacement = torch.where(use_mask[span], torch.full_like(input_ids, mask_id), random_ids)
+        return torch.where(linked & hide[span], replacement, input_ids)
+
+    def _features(self, batch: dict[str, Any], train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = batch["input_ids"]
+        if train and self.model.text_encoder.has_knowledge:
+            input_ids = self.hide_entity_tokens(input_ids, batch["token_entity_ids"])
+        text = self.model.text_features(input_ids, batch["attention_mask"], batch["token_entity_ids"])
+        image = self.model.image_features(batch["pixel_values"])
+        if self.trainer.world_size > 1:  # negatives from every GPU, as Chinese-CLIP does
+            text = self.all_gather(text, sync_grads=True).flatten(0, 1)
+            image = self.all_gather(image, sync_grads=True).flatten(0, 1)
+        return text, image
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        text, image = self._features(batch, train=True)
+        loss = self.model.contrastive_loss(text, image)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(text))
+        self.log("train/logit_scale", self.model.logit_scale.exp(), batch_size=len(text))
+        fusion = self.model.text_encoder.fusion
+        if fusion is not None and self.model.text_encoder.knowledge:
+            self.log("train/gate", fusion.gates.abs().mean(), batch_size=len(text))
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        text, image = self._features(batch, train=False)
+        loss = self.model.contrastive_loss(text, image)
+        sim = F.normalize(text, dim=-1) @ F.normalize(image, dim=-1).T
+        target = torch.arange(len(text), device=text.device)
+        acc = (sim.argmax(1) == target).float().mean()  # in-batch text→image top-1
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=len(text))
+        self.log("val/t2i_acc", acc, sync_dist=True, batch_size=len(text))
+
+    def on_train_end(self) -> None:
+        out = self.hparams.output_dir or str(
+            Path(self.trainer.log_dir or self.trainer.default_root_dir) / "model"
+        )
+        if self.trainer.is_global_zero:
+            self.model.save_pretrained(out)
+            log.info("saved the trained KnowledgeCLIP to %s", out)
+        self.trainer.strategy.barrier()
+
+
+class ImageTextDataModule(pl.LightningDataModule):
+    """Image–caption pairs through ``rapiddiff.data.loader.ImageTextDataset``.
+
+    Args:
+        train: training data (imagefolder with metadata.jsonl, or CSV/TSV/JSONL/parquet).
+        val: validation data, or None.
+        image_size: images are loaded at this size (the model resizes to its own anyway).
+        batch_size: pairs per step per device (the contrastive batch is this × devices).
+        num_workers: DataLoader processes.
+        image_column: the image column of tabular data.
+        text_column: the caption column.
+    """
+
+    def __init__(
+        self,
+        train: str,
+        val: str | None = None,
+        image_size: int = 128,
+        batch_size: int = 64,
+        num_workers: int = 2,
+        image_column: str = "image",
+        text_column: str = "text",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.datasets: dict[str, Any] = {}
+
+    def setup(self, stage: str) -> None:
+        hp = self.hparams
+        for split in ("train", "val"):
+            source = hp[split]
+            if source and split not in self.datasets:
+                self.datasets[split] = load_dataset(
+                    source, image_size=hp.image_size, image_column=hp.image_column, text_column=hp.text_column
+                )
+
+    def _loader(self, split: str, shuffle: bool) -> torch.utils.data.DataLoader:
+        hp = self.hparams
+        return torch.utils.data.DataLoader(
+            self.datasets[split],
+            batch_size=hp.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,  # a last tiny batch is a weak contrastive batch
+            num_workers=hp.num_workers,
+            persistent_workers=hp.num_workers > 0,
+            collate_fn=collate,
+        )
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        return self._loader("val", shuffle=False) if "val" in self.datasets else []
+
+
+def load_dataset(source: str, **kwargs: Any) -> torch.utils.data.Dataset:
+    from rapiddiff.data.loader import ImageTextDataset
+
+    return ImageTextDataset(source, **kwargs)
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "pixel_values": torch.stack([it["pixel_values"] for it in items]),
+        "text": [it["text"] for it in items],
+        "index": torch.tensor([it["index"] for it in items]),
+    }
+
+
+class CLIPCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--ckpt_path",
+            type=str | None,
+            default=None,
+            help="resume exactly from this checkpoint ('last' for the latest)",
+        )
+        parser.link_arguments("model.image_size", "data.image_size")
+
+
+def cli_main(args: list[str] | None = None) -> None:
+    """Run ``rapiddiff train clip`` with ``args`` (``--config FILE``, overrides, ``--help``)."""
+    cli = CLIPCLI(
+        CLIPTraining,
+        ImageTextDataModule,
+        args=args,
+        run=False,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,  # configure_optimizers defines them (param groups)
+        parser_kwargs={"prog": "rapiddiff train clip", "description": __doc__.split("\n\n")[0]},
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
