@@ -275,6 +275,6 @@ def make_grid(images: list[Any]) -> Any:
     from PIL import Image
     from torchvision.utils import make_grid as tv_grid
 
-    tensors = torch.stack([torch.from_numpy(np.asarray(im.convert("RGB"))).permute(2, 0, 1) for im in images])
+    tensors = torch.stack([torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1) for im in images])
     grid = tv_grid(tensors, nrow=math.ceil(math.sqrt(len(images))), padding=2, pad_value=255)
     return Image.fromarray(grid.permute(1, 2, 0).numpy())

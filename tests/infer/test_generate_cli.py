@@ -1,0 +1,181 @@
+"""``rapiddiff generate`` end to end through ``rapiddiff.cli.main`` on a tiny model folder."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rapiddiff.cli import main
+from rapiddiff.infer import generate_cli
+from rapiddiff.infer.png import read_png_metadata
+from rapiddiff.models.presets import write_tiny_sd_folder
+
+FAST = ["--steps", "2", "--device", "cpu", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_tiny_sd_folder(tmp_path_factory.mktemp("m") / "sd", text="bert"))
+
+
+def _pngs(folder):
+    return sorted(p for p in folder.glob("*.png") if "grid" not in p.name)
+
+
+def test_writes_pngs_with_settings_and_a_grid(model, tmp_path):
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "generate",
+            "蓝色背景上有一个番茄",
+            "--model",
+            model,
+            "--num-images",
+            "3",
+            "--batch-size",
+            "2",
+            "--seed",
+            "5",
+            "--size",
+            "12x8",
+            "--negative",
+            "模糊",
+            "--scheduler",
+            "ddim",
+            "--out",
+            str(out),
+            *FAST,
+        ]
+    )
+    assert rc == 0
+    files = _pngs(out)
+    assert [p.name for p in files] == ["00001-5.png", "00002-6.png", "00003-7.png"]
+    meta = read_png_metadata(files[1])
+    assert meta["prompt"] == "蓝色背景上有一个番茄" and meta["negative_prompt"] == "模糊"
+    assert (meta["seed"], meta["steps"], meta["scheduler"], meta["height"], meta["width"]) == (
+        6,
+        2,
+        "ddim",
+        12,
+        8,
+    )
+    with Image.open(files[0]) as im:
+        assert im.size == (8, 12)
+    with Image.open(out / "00001-grid.png") as grid:
+        assert grid.size == (2 + 2 * (8 + 2), 2 + 2 * (12 + 2))  # 2×2 cells, 2-pixel gaps
+    # A second run numbers on; nothing is overwritten.
+    assert main(["generate", "猫", "--model", model, "--seed", "1", "--out", str(out), *FAST]) == 0
+    assert _pngs(out)[-1].name == "00004-1.png"
+
+
+def test_from_png_regenerates_the_same_image(model, tmp_path):
+    main(
+        [
+            "generate",
+            "一只熊猫",
+            "--model",
+            model,
+            "--seed",
+            "9",
+            "--guidance",
+            "3",
+            "--out",
+            str(tmp_path / "a"),
+            *FAST,
+        ]
+    )
+    first = _pngs(tmp_path / "a")[0]
+    # The model path comes from the PNG itself.
+    assert main(["generate", "--from-png", str(first), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    again = _pngs(tmp_path / "b")[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(again)), np.asarray(Image.open(first)))
+    assert read_png_metadata(again)["guidance"] == 3.0
+
+
+def test_prompts_file(model, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("番茄\n\n香蕉\n", encoding="utf-8")
+    assert (
+        main(["generate", "--prompts", str(prompts), "--model", model, "--out", str(tmp_path / "o"), *FAST])
+        == 0
+    )
+    assert [read_png_metadata(p)["prompt"] for p in _pngs(tmp_path / "o")] == ["番茄", "香蕉"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--scheduler", "euler"], "unknown scheduler 'euler'; choose one of: pndm, ddim, dpm++"),
+        (["--dtype", "fp8"], "unknown dtype 'fp8'; choose one of"),
+        (["--size", "18"], "height 18 → nearest valid: 16 or 20"),
+        (["--upscale"], "no upscaler"),
+    ],
+)
+def test_bad_settings_are_clear_errors(model, tmp_path, capsys, extra, message):
+    assert main(["generate", "x", "--model", model, "--out", str(tmp_path), *FAST, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unsafe_upscaler_pickle_is_refused(model, tmp_path, capsys):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    evil = tmp_path / "RealESRGAN_x4plus.pth"
+    torch.save({"params_ema": {}, "x": Payload()}, evil)
+    assert (
+        main(["generate", "x", "--model", model, "--upscaler", str(evil), "--out", str(tmp_path), *FAST]) == 2
+    )
+    assert "refused" in capsys.readouterr().err
+
+
+def test_unwritable_output_fails_before_loading(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # The model does not exist either: the output check must come first.
+    rc = main(["generate", "x", "--model", str(tmp_path / "none"), "--out", str(blocker / "out"), *FAST])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "output folder" in err and "not writable" in err
+
+
+def test_missing_default_model_says_how_to_pass_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate_cli, "default_model_dir", lambda: tmp_path / "assets" / "model")
+    assert main(["generate", "x", "--out", str(tmp_path), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "no built-in model" in err and "--model DIR" in err
+
+
+def test_empty_prompt_warns_and_generates(model, tmp_path, caplog):
+    assert main(["generate", "", "--model", model, "--out", str(tmp_path), *FAST]) == 0
+    assert "unconditionally" in caplog.text
+    assert len(_pngs(tmp_path)) == 1
+
+
+def test_fast_flag(model, tmp_path, capsys, monkeypatch):
+    name = "rapiddiff.infer.accelerate"
+    monkeypatch.setitem(sys.modules, name, None)  # as if the module were not installed
+    assert main(["generate", "x", "--model", model, "--fast", "--out", str(tmp_path), *FAST]) == 2
+    assert "not available" in capsys.readouterr().err
+
+    calls = []
+    fake = types.ModuleType(name)
+    fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    fake.accelerate = lambda pipe: calls.append(pipe) or pipe
+    monkeypatch.setitem(sys.modules, name, fake)
+    assert main(["generate", "x", "--model", model, "--fast", "--out", str(tmp_path), *FAST]) == 0
+    assert len(calls) == 1 and hasattr(calls[0], "denoise")
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--from-png", "--scheduler", "--no-knowledge", "--upscale", "--prompts", "--fast"):
+        assert flag in text
