@@ -111,18 +111,22 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
 def dataset_prompts(
     source: str | Path, *, limit: int | None, real_dir: Path | None, image_size: int | None
 ) -> list[dict[str, Any]]:
-    """Captions of an image–caption dataset; with ``real_dir``, its images are written there too."""
+    """Captions of an image–caption dataset (skipped items left out, as the loader skips them);
+    with ``real_dir``, the matching images are written there too (the FID reference set)."""
     from rapiddiff.data.loader import ImageTextDataset
 
     kwargs = {"image_size": image_size} if image_size else {}
     dataset = ImageTextDataset(str(source), **kwargs)
     n = len(dataset) if limit is None else min(limit, len(dataset))
-    rows = []
-    for i in range(n):
-        item = dataset[i]
-        rows.append({"text": item["text"], "dataset_index": int(item.get("index", i))})
-        if real_dir is not None:
-            _save_real(item["pixel_values"], real_dir / f"{i:06d}.png")
+    if real_dir is None and hasattr(dataset, "texts"):  # captions only: no image is decoded
+        rows = [{"text": t, "dataset_index": i} for i, t in enumerate(dataset.texts[:n])]
+    else:
+        rows = []
+        for i in range(n):
+            item = dataset[i]
+            rows.append({"text": item["text"], "dataset_index": int(item.get("index", i))})
+            if real_dir is not None:
+                _save_real(item["pixel_values"], real_dir / f"{i:06d}.png")
     if not rows:
         raise ValueError(f"{source}: no usable image–caption pairs")
     return rows

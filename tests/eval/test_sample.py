@@ -112,3 +112,43 @@ def test_fast_path_gives_the_eager_images(tiny_pipe):
     out = FastSampler(tiny_pipe, fast)(["一个番茄", "一个香蕉"], seed=[5, 6], **kw)
     for a, b in zip(out.images, eager.images, strict=True):
         np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), atol=1)
+
+
+def test_sample_from_dataset_captions_with_real_images(tmp_path, tiny_model):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = []
+    for i, colour in enumerate([(200, 30, 30), (30, 30, 200), (30, 200, 30)]):
+        Image.new("RGB", (24, 24), colour).save(data / f"{i}.png")
+        rows.append({"file_name": f"{i}.png", "text": f"第{i}张图"})
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    run = tmp_path / "run"
+    code = main(
+        [
+            "eval",
+            "sample",
+            "--model",
+            str(tiny_model),
+            "--dataset",
+            str(data),
+            "--limit",
+            "2",
+            "--save-real",
+            "--height",
+            "16",
+            "--width",
+            "16",
+            "--steps",
+            "2",
+            "--out",
+            str(run),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    index = read_index(run)
+    assert [r["prompt"] for r in index] == ["第0张图", "第1张图"]
+    real = sorted((run / "real").glob("*.png"))
+    assert len(real) == 2 and Image.open(real[1]).size == (16, 16)
+    assert np.asarray(Image.open(real[1]))[8, 8, 2] > 150  # the second (blue) image, in order
