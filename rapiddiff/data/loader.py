@@ -1,0 +1,560 @@
+"""Image–caption datasets users already have, loaded through ``datasets``.
+
+Sources (DESIGN.md, "Image–caption data"):
+
+- an image folder with ``metadata.jsonl`` (or ``metadata.csv``/``metadata.parquet``) whose
+  ``file_name`` column names images relative to the folder — the ``datasets`` imagefolder
+  convention, and what ``rapiddiff data kshapes`` writes;
+- a CSV, TSV, JSONL/JSON or parquet file with an image column (a path relative to the file, or
+  base64 — Chinese-CLIP, EasyNLP) and a text column; headerless files (Chinese-CLIP's TSVs) take
+  ``column_names``;
+- for data that does not fit on disk, :class:`StreamingImageTextDataset` over shards (a glob, a
+  folder of parquet/jsonl/csv/tsv files, or webdataset ``.tar`` shards), via ``streaming=True``.
+
+``datasets`` reads the table; images are decoded here, because one corrupt file must cost one
+sample, not the run (``datasets``' own Image feature raises). Bad items — missing or corrupt
+images, empty captions, images below the training size with ``small_images="skip"`` — are skipped,
+counted in ``.skipped`` (item, reason) and appended to ``skip_log`` (JSON lines) when given.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from rapiddiff.data.images import BadImageError, describe, header_size, image_source, open_image, to_rgb
+from rapiddiff.data.text import clean_caption
+from rapiddiff.data.transforms import build_image_transform
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
+Verify = Literal["none", "header", "full"]
+
+
+@dataclass
+class ImageTextDataConfig:
+    """How to read and transform an image–caption dataset (the YAMLs in configs/data/)."""
+
+    source: str = ""
+    """Image folder with metadata.jsonl, or a CSV/TSV/JSONL/parquet file, or (streaming) a glob of shards."""
+    image_size: int = 256
+    """Training resolution: shorter side resized to this, then cropped square."""
+    image_column: str = "image"
+    """Column with the image path or base64 (folders fall back to ``file_name``)."""
+    text_column: str = "text"
+    """Column with the caption."""
+    column_names: list[str] | None = None
+    """Column names for a headerless CSV/TSV (e.g. Chinese-CLIP's ``[image_id, image]``)."""
+    crop: Literal["center", "random"] = "center"
+    """Crop after resizing; random crop is an augmentation for training."""
+    hflip: bool = False
+    """Random horizontal flips. Off by default: captions say 左/右."""
+    small_images: Literal["upscale", "skip"] = "upscale"
+    """Images whose shorter side is below image_size: upscale them, or skip them."""
+    t2s: bool = False
+    """Convert traditional Chinese captions to simplified (OpenCC t2s)."""
+    verify: Verify = "header"
+    """Checks when the dataset is built: header (exists, is an image, its size), full (decode), none."""
+    streaming: bool = False
+    """Stream rows instead of loading the table (for data that does not fit on disk)."""
+    skip_log: str | None = None
+    """JSON-lines file that lists every skipped item and why."""
+
+    def __post_init__(self) -> None:
+        if self.image_size < 8:
+            raise ValueError(f"image_size must be at least 8, got {self.image_size}")
+
+
+def _builder(path: Path) -> tuple[str, dict[str, Any]]:
+    """The ``datasets`` packaged builder and its options for a table file."""
+    suffix = path.suffix.lower()
+    if suffix not in TABLE_SUFFIXES:
+        raise ValueError(
+            f"{path}: unsupported table format {suffix!r}; use one of {', '.join(TABLE_SUFFIXES)} "
+            "or an image folder with metadata.jsonl"
+        )
+    options: dict[str, Any] = {}
+    if suffix == ".tsv":
+        # QUOTE_NONE: captions contain quote marks, which csv quoting would swallow.
+        options.update(delimiter="\t", quoting=3)
+    return TABLE_SUFFIXES[suffix], options
+
+
+def resolve_table(source: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """(table file, folder that relative image paths start from) for a folder or a file."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        for name in METADATA_NAMES:
+            if (path / name).is_file():
+                return path / name, path
+        raise FileNotFoundError(
+            f'{path}: an image folder needs a metadata.jsonl ({{"file_name": ..., "text": ...}} per line); '
+            f"none of {', '.join(METADATA_NAMES)} found"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset source not found: {path}")
+    return path, path.parent
+
+
+def read_table(
+    table: Path, *, column_names: Sequence[str] | None = None, streaming: bool = False, data_files: Any = None
+) -> Any:
+    """The rows of ``table`` as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming)."""
+    import datasets
+
+    builder, options = _builder(table)
+    if column_names:
+        if builder != "csv":
+            raise ValueError(f"{table}: column_names only applies to headerless CSV/TSV files")
+        options["column_names"] = list(column_names)
+    if builder == "csv":
+        options["keep_default_na"] = False  # an empty caption stays "", not NaN
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(
+            builder, data_files=data_files or str(table), split="train", streaming=streaming, **options
+        )
+    except (ValueError, TypeError, OSError) as err:
+        raise ValueError(f"{table}: cannot read as {builder} ({err})") from err
+    except Exception as err:  # pyarrow/pandas parser errors have many types
+        raise ValueError(f"{table}: cannot read as {builder}: {type(err).__name__}: {err}") from err
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        datasets.enable_progress_bars()
+
+
+def _pick_image_column(columns: Sequence[str], wanted: str, where: Path) -> str:
+    if wanted in columns:
+        return wanted
+    for fallback in ("file_name", "image", "img", "image_base64", "jpg", "png", "webp"):
+        if fallback in columns:
+            return fallback
+    raise ValueError(
+        f"{where}: no image column {wanted!r}; columns are {', '.join(columns)} (set image_column)"
+    )
+
+
+def _check_text_column(columns: Sequence[str], wanted: str, where: Path) -> None:
+    if wanted not in columns:
+        raise ValueError(
+            f"{where}: no text column {wanted!r}; columns are {', '.join(columns)} (set text_column)"
+        )
+
+
+class SkipLog:
+    """Counts skipped items and appends them to a JSON-lines file (safe from several workers:
+    each line is one ``O_APPEND`` write)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path else None
+        self.items: list[tuple[dict[str, Any], str]] = []
+        self._lock = threading.Lock()
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, item: dict[str, Any], reason: str) -> None:
+        with self._lock:
+            self.items.append((item, reason))
+            if self.path:
+                line = json.dumps({**item, "reason": reason}, ensure_ascii=False) + "\n"
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line.encode("utf-8"))
+                finally:
+                    os.close(fd)
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under "spawn" pickle us
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def counts(self) -> Counter[str]:
+        return Counter(_reason_kind(reason) for _, reason in self.items)
+
+
+def _reason_kind(reason: str) -> str:
+    """The first words of a reason, without the file name: "missing file", "empty caption"..."""
+    return reason.split(" (")[0].split(" /")[0].split(":")[0]
+
+
+class _Annotations:
+    """Entity spans and token ids computed once per caption (so no epoch links twice)."""
+
+    def __init__(self, texts: Sequence[str], linker: Any = None, tokenizer: Any = None, max_length: int = 77):
+        self.spans: list[list[tuple[int, int, int]]] | None = None
+        self.tokens: dict[str, torch.Tensor] | None = None
+        if linker is not None:
+            self.spans = [[(s.start, s.end, s.entity_id) for s in linker.link(t)] for t in texts]
+        if tokenizer is not None:
+            self.tokens = tokenize_with_entities(texts, tokenizer, self.spans, max_length=max_length)
+
+    def item(self, i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.spans is not None:
+            out["entities"] = self.spans[i]
+        if self.tokens is not None:
+            out.update({k: v[i].long() for k, v in self.tokens.items()})
+        return out
+
+
+def tokenize_with_entities(
+    texts: Sequence[str],
+    tokenizer: Any,
+    spans: Sequence[Sequence[tuple[int, int, int]]] | None,
+    *,
+    max_length: int = 77,
+) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask and token_entity_ids [N, L] (-1 where a token is in no entity).
+
+    A token belongs to an entity when its character span lies inside the entity's span (the
+    offsets come from the fast tokenizer's ``offset_mapping``).
+    """
+    encoded = tokenizer(
+        list(texts),
+        padding="max_length",
+        truncation=True,
+        max_length=max_length,
+        return_tensors="pt",
+        return_offsets_mapping=spans is not None,
+    )
+    out = {
+        "input_ids": encoded["input_ids"].to(torch.int32),
+        "attention_mask": encoded["attention_mask"].to(torch.int8),
+    }
+    if spans is not None:
+        offsets = encoded["offset_mapping"]  # (N, L, 2)
+        ids = torch.full(offsets.shape[:2], -1, dtype=torch.int32)
+        for row, row_spans in enumerate(spans):
+            starts, ends = offsets[row, :, 0], offsets[row, :, 1]
+            real = ends > starts  # special and padding tokens have empty offsets
+            for start, end, entity in row_spans:
+                ids[row, real & (starts >= start) & (ends <= end)] = entity
+        out["token_entity_ids"] = ids
+    return out
+
+
+class ImageTextDataset(Dataset):
+    """A map-style dataset of ``{"pixel_values": [3, H, W] in [-1, 1], "text": str, "index": int}``.
+
+    Items with an empty caption, a missing/undecodable image or (with ``small_images="skip"``)
+    a too-small image are found when the dataset is built (``verify="header"`` opens each image's
+    header; ``"full"`` decodes it) and never returned; ``len()`` counts only good items and
+    ``index`` is the row in the source table. A file that only fails when fully decoded is
+    skipped at that moment and replaced by the next good item, so a run never stops.
+
+    With ``linker`` (an ``EntityLinker``) items carry ``"entities"`` — (start, end, entity_id)
+    character spans — and with ``tokenizer`` (a fast HF tokenizer) ``input_ids``,
+    ``attention_mask`` and ``token_entity_ids`` [max_length]; both computed once, up front.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        image_size: int = 256,
+        image_column: str = "image",
+        text_column: str = "text",
+        column_names: Sequence[str] | None = None,
+        crop: Literal["center", "random"] = "center",
+        hflip: bool = False,
+        small_images: Literal["upscale", "skip"] = "upscale",
+        t2s: bool = False,
+        verify: Verify = "header",
+        skip_log: str | os.PathLike[str] | None = None,
+        linker: Any = None,
+        tokenizer: Any = None,
+        max_length: int = 77,
+        transform: Callable[[Any], torch.Tensor] | None = None,
+        progress: bool = False,
+    ) -> None:
+        if small_images not in ("upscale", "skip"):
+            raise ValueError(f"small_images must be 'upscale' or 'skip', got {small_images!r}")
+        if verify not in ("none", "header", "full"):
+            raise ValueError(f"verify must be 'none', 'header' or 'full', got {verify!r}")
+        self.table, self.base_dir = resolve_table(source)
+        self.image_size = image_size
+        self.small_images = small_images
+        self.transform = transform or build_image_transform(image_size, crop=crop, hflip=hflip)
+        self._log = SkipLog(skip_log)
+        self._rows = read_table(self.table, column_names=column_names)
+        columns = list(self._rows.column_names)
+        self.image_column = _pick_image_column(columns, image_column, self.table)
+        _check_text_column(columns, text_column, self.table)
+        self.text_column = text_column
+        texts = [clean_caption(t, t2s=t2s) for t in self._rows[text_column]]
+        keep = self._scan(texts, verify, progress)
+        self.indices: list[int] = keep
+        self.texts: list[str] = [texts[i] for i in keep]
+        self.annotations = _Annotations(self.texts, linker, tokenizer, max_length)
+        self._failed: set[int] = set()
+        if self._log.items:
+            counts = ", ".join(f"{n} {k}" for k, n in self._log.counts().most_common())
+            where = f"; listed in {self._log.path}" if self._log.path else ""
+            log.warning(
+                "%s: skipped %d of %d items (%s)%s",
+                self.table,
+                len(self._log.items),
+                len(texts),
+                counts,
+                where,
+            )
+
+    @property
+    def skipped(self) -> list[tuple[dict[str, Any], str]]:
+        """(item, reason) for every item skipped so far (in this process)."""
+        return self._log.items
+
+    def _item_info(self, row: int, text: str) -> dict[str, Any]:
+        return {
+            "source": str(self.table),
+            "row": row,
+            "image": describe(self._rows[row][self.image_column]),
+            "text": text,
+        }
+
+    def _scan(self, texts: list[str], verify: Verify, progress: bool) -> list[int]:
+        from tqdm.auto import tqdm
+
+        images = self._rows[self.image_column] if verify != "none" else None
+        keep = []
+        for row in tqdm(
+            range(len(texts)), desc=f"checking {self.table.name}", disable=not progress, unit="item"
+        ):
+            if not texts[row]:
+                self._log.add(self._item_info(row, texts[row]), "empty caption")
+                continue
+            if images is not None:
+                reason = self._check_image(images[row], verify)
+                if reason:
+                    self._log.add(self._item_info(row, texts[row]), reason)
+                    continue
+            keep.append(row)
+        return keep
+
+    def _check_image(self, value: Any, verify: Verify) -> str | None:
+        try:
+            image = open_image(image_source(value, self.base_dir))
+            with image:
+                width, height = header_size(image)
+                if verify == "full":
+                    to_rgb(image)
+        except BadImageError as err:
+            return str(err)
+        if self.small_images == "skip" and min(width, height) < self.image_size:
+            return f"image too small ({width}x{height} < {self.image_size})"
+        return None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def load_image(self, i: int) -> Any:
+        """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
+        row = self.indices[i]
+        image = to_rgb(open_image(image_source(self._rows[row][self.image_column], self.base_dir)))
+        if self.small_images == "skip" and min(image.size) < self.image_size:
+            raise BadImageError(f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})")
+        return image
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        n = len(self.indices)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for {n} items")
+        i %= n
+        for step in range(n):
+            j = (i + step) % n
+            if j in self._failed:
+                continue
+            try:
+                image = self.load_image(j)
+            except BadImageError as err:
+                # Found only now (e.g. truncated data after a valid header): skip and take the next.
+                self._failed.add(j)
+                self._log.add(self._item_info(self.indices[j], self.texts[j]), str(err))
+                log.warning("%s row %d skipped: %s", self.table, self.indices[j], err)
+                continue
+            item = {"pixel_values": self.transform(image), "text": self.texts[j], "index": self.indices[j]}
+            item.update(self.annotations.item(j))
+            return item
+        raise RuntimeError(f"{self.table}: every item failed to decode; see the skip log")
+
+
+class StreamingImageTextDataset(IterableDataset):
+    """Iterate rows of shards through ``datasets`` streaming; bad rows are skipped and logged.
+
+    ``source``: a table file, a glob (``shards/*.parquet``), a folder of shards, or webdataset
+    ``.tar`` shards (image column ``jpg``/``png``/``webp``, text column ``txt``). With several
+    DataLoader workers, ``datasets`` gives each worker its own shards. ``index`` counts rows in
+    the stream (unique per worker: ``k * num_workers + worker_id``).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        image_size: int = 256,
+        image_column: str = "image",
+        text_column: str = "text",
+        column_names: Sequence[str] | None = None,
+        crop: Literal["center", "random"] = "center",
+        hflip: bool = False,
+        small_images: Literal["upscale", "skip"] = "upscale",
+        t2s: bool = False,
+        skip_log: str | os.PathLike[str] | None = None,
+        transform: Callable[[Any], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.files, self.base_dir = _shard_files(source)
+        first = Path(self.files[0])
+        self.webdataset = first.suffix == ".tar"
+        self.image_size, self.small_images, self.t2s = image_size, small_images, t2s
+        self.transform = transform or build_image_transform(image_size, crop=crop, hflip=hflip)
+        self._log = SkipLog(skip_log)
+        self.source = str(source)
+        self._column_names = list(column_names) if column_names else None
+        self._image_column, self.text_column = image_column, text_column
+        self.text_column = "txt" if self.webdataset and text_column == "text" else text_column
+
+    @property
+    def skipped(self) -> list[tuple[dict[str, Any], str]]:
+        return self._log.items
+
+    def _rows(self) -> Any:
+        if self.webdataset:
+            import datasets
+
+            return datasets.load_dataset("webdataset", data_files=self.files, split="train", streaming=True)
+        return read_table(
+            Path(self.files[0]), column_names=self._column_names, streaming=True, data_files=self.files
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        rows = self._rows()
+        image_column = None
+        for k, row in enumerate(rows):
+            if image_column is None:
+                image_column = _pick_image_column(list(row), self._image_column, Path(self.files[0]))
+                _check_text_column(list(row), self.text_column, Path(self.files[0]))
+            text = clean_caption(row.get(self.text_column), t2s=self.t2s)
+            item_info = {
+                "source": self.source,
+                "row": k,
+                "image": describe(row.get(image_column)),
+                "text": text,
+            }
+            if not text:
+                self._log.add(item_info, "empty caption")
+                continue
+            try:
+                value = row[image_column]
+                if self.webdataset and hasattr(value, "convert"):  # webdataset decodes to PIL already
+                    image = to_rgb(value)
+                else:
+                    image = to_rgb(open_image(image_source(value, self.base_dir)))
+                if self.small_images == "skip" and min(image.size) < self.image_size:
+                    raise BadImageError(
+                        f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})"
+                    )
+            except BadImageError as err:
+                self._log.add(item_info, str(err))
+                continue
+            yield {"pixel_values": self.transform(image), "text": text, "index": k * workers + worker}
+
+
+def _shard_files(source: str | os.PathLike[str]) -> tuple[list[str], Path]:
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        table, base = (
+            resolve_table(path) if any((path / n).is_file() for n in METADATA_NAMES) else (None, path)
+        )
+        if table is not None:
+            return [str(table)], base
+        files = sorted(
+            str(p) for p in path.iterdir() if p.suffix.lower() in {*TABLE_SUFFIXES, ".tar"} and p.is_file()
+        )
+    elif path.is_file():
+        files = [str(path)]
+    else:
+        files = sorted(glob.glob(os.path.expanduser(text)))
+    if not files:
+        raise FileNotFoundError(f"no shards found at {source} (a file, a folder of shards, or a glob)")
+    suffixes = {Path(f).suffix.lower() for f in files}
+    if len(suffixes) > 1:
+        raise ValueError(f"{source}: shards must share one format, found {', '.join(sorted(suffixes))}")
+    return files, Path(files[0]).parent
+
+
+def load_image_text_dataset(
+    source: str | os.PathLike[str] | ImageTextDataConfig, *, streaming: bool | None = None, **kwargs: Any
+) -> ImageTextDataset | StreamingImageTextDataset:
+    """Build the dataset for ``source`` (a path, or an :class:`ImageTextDataConfig`).
+
+    Keyword arguments are those of :class:`ImageTextDataset` (``linker``, ``tokenizer`` ...);
+    with ``streaming=True`` a :class:`StreamingImageTextDataset`.
+    """
+    if isinstance(source, ImageTextDataConfig):
+        cfg = source
+        options = {
+            "image_size": cfg.image_size,
+            "image_column": cfg.image_column,
+            "text_column": cfg.text_column,
+            "column_names": cfg.column_names,
+            "crop": cfg.crop,
+            "hflip": cfg.hflip,
+            "small_images": cfg.small_images,
+            "t2s": cfg.t2s,
+            "skip_log": cfg.skip_log,
+        }
+        if not cfg.streaming:
+            options["verify"] = cfg.verify
+        streaming = cfg.streaming if streaming is None else streaming
+        kwargs = {**options, **kwargs}
+        source = cfg.source
+        if not source:
+            raise ValueError("the data config has no 'source' (an image folder or a table file)")
+    if streaming:
+        kwargs.pop("verify", None)
+        return StreamingImageTextDataset(source, **kwargs)
+    return ImageTextDataset(source, **kwargs)
+
+
+def collate_image_text(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack tensors, keep texts and entity span lists as lists (they are ragged)."""
+    out: dict[str, Any] = {}
+    for key in batch[0]:
+        values = [item[key] for item in batch]
+        if isinstance(values[0], torch.Tensor):
+            out[key] = torch.stack(values)
+        elif key == "index":
+            out[key] = torch.tensor(values)
+        else:
+            out[key] = values
+    return out
+
+
+__all__ = [
+    "ImageTextDataConfig",
+    "ImageTextDataset",
+    "StreamingImageTextDataset",
+    "collate_image_text",
+    "load_image_text_dataset",
+    "tokenize_with_entities",
+]
