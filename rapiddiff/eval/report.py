@@ -28,7 +28,7 @@ table{border-collapse:collapse;margin:8px 0} td,th{border:1px solid #ccc;padding
 vertical-align:top} th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums}
 .grid td{border:none;padding:2px} .prompt{font-size:13px;max-width:260px} img{display:block}
 .warn{color:#a40} pre{background:#f7f7f7;padding:8px;font-size:12px;overflow:auto;max-height:480px}
-.small{color:#666;font-size:12px}
+.small{color:#666;font-size:12px} img{image-rendering:pixelated} td.gap{width:16px}
 """
 
 _SCRIPT = """
@@ -151,24 +151,51 @@ def metrics_html(records: Sequence[dict[str, Any]]) -> str:
     return f"<table>{head}{''.join(rows)}</table>" + "".join(extras)
 
 
-def grid_html(name: str, run: Path, max_prompts: int, max_images: int, thumb: int) -> str:
-    index = read_index(run)
-    parts = [
-        f"<h2>Samples: {html.escape(name)} <span class='small'>({len(index)} images)</span></h2>",
-        "<table class='grid'>",
-    ]
-    for first, rows in grouped(index, max_prompts, max_images):
-        cells = []
-        for row in rows:
-            path = run / row["file"]
-            alt = html.escape(f"{row['prompt']} (seed {row.get('seed')})", quote=True)
-            if path.is_file():
-                cells.append(
-                    f"<td><img src='{data_uri(thumbnail(path, thumb))}' alt='{alt}' title='{alt}'></td>"
-                )
-            else:
-                cells.append(f"<td class='small'>missing: {html.escape(row['file'])}</td>")
+def comparable(sets: Sequence[tuple[str, Path]]) -> bool:
+    """Do the sample sets share one prompt list (e.g. knowledge_on / knowledge_off, or two
+    checkpoints sampled from one prompt file)? Then they are shown side by side."""
+    if len(sets) < 2:
+        return False
+    keys = [[(r.get("index"), r["prompt"]) for r in read_index(path)] for _, path in sets]
+    return all(sorted(set(k)) == sorted(set(keys[0])) for k in keys[1:])
+
+
+def _cell(run: Path, row: dict[str, Any], thumb: int) -> str:
+    path = run / row["file"]
+    if not path.is_file():
+        return f"<td class='small'>missing: {html.escape(row['file'])}</td>"
+    alt = html.escape(f"{row['prompt']} (seed {row.get('seed')})", quote=True)
+    img = thumbnail(path, thumb)
+    # Small images (kshapes' 64-128 px) are shown enlarged to the thumbnail box, pixel for pixel.
+    scale = thumb / max(img.size)
+    w, h = round(img.width * scale), round(img.height * scale)
+    return f"<td><img src='{data_uri(img)}' width='{w}' height='{h}' alt='{alt}' title='{alt}'></td>"
+
+
+def grid_html(sets: Sequence[tuple[str, Path]], max_prompts: int, max_images: int, thumb: int) -> str:
+    """One grid, rows = prompts, a column group per set (sets that share prompts) or one per set."""
+    indexes = {name: grouped(read_index(path), 10**9, max_images) for name, path in sets}
+    cols = {name: max(len(rows) for _, rows in groups) for name, groups in indexes.items()}
+    names = ", ".join(f"{name} ({len(read_index(path))} images)" for name, path in sets)
+    parts = [f"<h2>Samples: {html.escape(names)}</h2>", "<table class='grid'>"]
+    if len(sets) > 1:
+        parts.append(
+            "<tr><th></th>"
+            + "".join(f"<th colspan='{cols[name] + 1}'>{html.escape(name)}</th>" for name, _ in sets)
+            + "</tr>"
+        )
+    base_name = sets[0][0]
+    by_key = {
+        name: {(f.get("index"), f["prompt"]): rows for f, rows in groups} for name, groups in indexes.items()
+    }
+    for first, _ in indexes[base_name][:max_prompts]:
+        key = (first.get("index"), first["prompt"])
         tags = " ".join(f"{k}={first[k]}" for k in ("entity", "split", "colour", "shape") if first.get(k))
+        cells = []
+        for name, path in sets:
+            rows = by_key[name].get(key, [])
+            cells += [_cell(path, row, thumb) for row in rows]
+            cells += ["<td></td>"] * (cols[name] - len(rows)) + ["<td class='gap'></td>"] * (len(sets) > 1)
         parts.append(
             f"<tr><td class='prompt'>{html.escape(first['prompt'])}<div class='small'>"
             f"{html.escape(tags)}</div></td>{''.join(cells)}</tr>"
@@ -177,22 +204,33 @@ def grid_html(name: str, run: Path, max_prompts: int, max_images: int, thumb: in
     return "".join(parts)
 
 
-def png_grid(run: Path, out: Path, max_prompts: int = 16, max_images: int = 8, thumb: int = 128) -> Path:
-    """Prompts as rows, their images as columns, on white with a 4 px gutter."""
+def png_grid(
+    sets: Sequence[tuple[str, Path]], out: Path, max_prompts: int = 16, max_images: int = 8, thumb: int = 128
+) -> Path:
+    """Prompts as rows, each set's images as a column group (a wider gap between sets), on white."""
     from PIL import Image
 
     from rapiddiff.utils.io import atomic_open
 
-    groups = grouped(read_index(run), max_prompts, max_images)
-    cols = max(len(rows) for _, rows in groups)
-    gap = 4
-    canvas = Image.new("RGB", (cols * (thumb + gap) + gap, len(groups) * (thumb + gap) + gap), "white")
-    for r, (_, rows) in enumerate(groups):
-        for c, row in enumerate(rows):
-            path = run / row["file"]
-            if path.is_file():
-                img = thumbnail(path, thumb)
-                canvas.paste(img, (gap + c * (thumb + gap), gap + r * (thumb + gap)))
+    groups = {
+        name: {
+            (f.get("index"), f["prompt"]): rows for f, rows in grouped(read_index(path), 10**9, max_images)
+        }
+        for name, path in sets
+    }
+    keys = list(groups[sets[0][0]])[:max_prompts]
+    cols = max(len(rows) for g in groups.values() for rows in g.values())
+    gap, set_gap = 4, 4 * thumb // 16
+    width = len(sets) * (cols * (thumb + gap)) + (len(sets) - 1) * set_gap + gap
+    canvas = Image.new("RGB", (width, len(keys) * (thumb + gap) + gap), "white")
+    for s, (name, path) in enumerate(sets):
+        x0 = gap + s * (cols * (thumb + gap) + set_gap)
+        for r, key in enumerate(keys):
+            for c, row in enumerate(groups[name].get(key, [])):
+                if (path / row["file"]).is_file():
+                    img = thumbnail(path / row["file"], thumb)
+                    img = img.resize((thumb, round(thumb * img.height / img.width)), Image.Resampling.NEAREST)
+                    canvas.paste(img, (x0 + c * (thumb + gap), gap + r * (thumb + gap)))
     with atomic_open(out) as handle:
         canvas.save(handle, format="PNG")
     return out
@@ -235,7 +273,11 @@ def build_report(
         f"<p class='small'>{html.escape(str(run.resolve()))} · rapiddiff {__version__}</p>",
         "<h2>Metrics</h2>",
         metrics_html(load_metrics(run, extra_metrics)),
-        *(grid_html(name, path, max_prompts, max_images, thumb) for name, path in sets),
+        *(
+            [grid_html(sets, max_prompts, max_images, thumb)]
+            if comparable(sets)
+            else [grid_html([one], max_prompts, max_images, thumb) for one in sets]
+        ),
         "<h2>Sampling settings</h2>",
         f"<pre>{html.escape(json.dumps(settings, ensure_ascii=False, indent=2))}</pre>",
         "<h2>Model config</h2>",
@@ -284,9 +326,9 @@ def run(args: argparse.Namespace) -> int:
     )
     out = args.out or args.run / "report.html"
     atomic_write_text(out, page)
-    first = sample_sets(args.run)[0][1]
+    sets = sample_sets(args.run)
     png = png_grid(
-        first,
+        sets if comparable(sets) else sets[:1],
         args.png or args.run / "report.png",
         max_prompts=min(args.max_prompts, 16),
         max_images=args.max_images,

@@ -45,7 +45,7 @@ def _run(root, name, n_prompts=3, per_prompt=2, size=48):
 def report_run(tmp_path):
     root = tmp_path / "eval"
     _run(root, "knowledge_on")
-    _run(root, "knowledge_off", n_prompts=2)
+    _run(root, "knowledge_off")
     write_json(
         root / "metrics" / "fid.json",
         metric_record(
@@ -75,7 +75,7 @@ def test_report_is_self_contained_and_complete(report_run, tmp_path):
     root, recall = report_run
     assert main(["eval", "report", str(root), "--metrics", str(recall), "--thumb", "32"]) == 0
     page = (root / "report.html").read_text(encoding="utf-8")
-    assert len(re.findall(r"<img src='data:image/png;base64,", page)) == 6 + 4
+    assert len(re.findall(r"<img src='data:image/png;base64,", page)) == 6 + 6
     assert not re.search(r"(src|href)=['\"]?(https?:|//|file:)", page)  # nothing fetched from anywhere
     for needle in (
         "FID-CLIP(rapiddiff image tower)",
@@ -91,11 +91,10 @@ def test_report_is_self_contained_and_complete(report_run, tmp_path):
         "米色背景上有一个" + ENTITIES[0].name,
     ):
         assert needle in page, needle
+    # Sub-runs with one prompt list are shown side by side: 3 prompts × (2 + 2) images, 32 px, gaps.
+    assert "<th colspan='3'>knowledge_off</th><th colspan='3'>knowledge_on</th>" in page
     grid = Image.open(root / "report.png")
-    assert grid.size == (
-        4 + 2 * 36,
-        4 + 2 * 36,
-    )  # knowledge_off (first by name): 2 prompts × 2 images, 32 px + gaps
+    assert grid.size == (4 + 2 * (2 * 36) + 8, 4 + 3 * 36)
     pixels = np.asarray(grid)
     assert pixels[4:36, 4:36].std() > 10  # an image, not the white background
 
@@ -137,4 +136,4 @@ def test_report_renders_its_images_in_chromium(report_run, tmp_path):
     # The page's own script counts images the browser decoded (naturalWidth > 0) after load.
     found = re.search(r'data-images-loaded="(\d+)/(\d+)"', result.stdout)
     assert found, result.stdout[:500]
-    assert found.group(1) == found.group(2) == "10"
+    assert found.group(1) == found.group(2) == "12"
