@@ -94,16 +94,6 @@ def open_image(source: Path | bytes) -> Image.Image:
         raise BadImageError(f"cannot open ({err})") from err
 
 
-def header_size(image: Image.Image) -> tuple[int, int]:
-    """(width, height) after EXIF orientation, read from the header without decoding."""
-    width, height = image.size
-    try:
-        orientation = image.getexif().get(0x0112, 1)
-    except Exception:  # a broken EXIF block is the decoder's problem, not the size's
-        orientation = 1
-    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
-
-
 def to_rgb(image: Image.Image) -> Image.Image:
     """Decode fully, apply EXIF orientation, and convert any mode to 8-bit RGB.
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from rapiddiff.data.images import BadImageError, describe, header_size, image_source, open_image, to_rgb
+from rapiddiff.data.images import BadImageError, describe, image_source, open_image, to_rgb
 from rapiddiff.data.text import clean_caption
 from rapiddiff.data.transforms import build_image_transform
 from rapiddiff.utils.logging import get_logger
@@ -297,7 +297,7 @@ class ImageTextDataset(Dataset):
         self.image_column = _pick_image_column(columns, image_column, self.table)
         _check_text_column(columns, text_column, self.table)
         self.text_column = text_column
-        texts = [clean_caption(t, t2s=t2s) for t in self._rows[text_column]]
+        texts = [clean_caption(t, t2s=t2s) for t in self._rows.data.column(text_column).to_pylist()]
         keep = self._scan(texts, verify, progress)
         self.indices: list[int] = keep
         self.texts: list[str] = [texts[i] for i in keep]
@@ -320,18 +320,22 @@ class ImageTextDataset(Dataset):
         """(item, reason) for every item skipped so far (in this process)."""
         return self._log.items
 
+    def _image_value(self, row: int) -> Any:
+        # Straight from the Arrow column: datasets' row access builds a whole formatted row.
+        return self._rows.data.column(self.image_column)[row].as_py()
+
     def _item_info(self, row: int, text: str) -> dict[str, Any]:
         return {
             "source": str(self.table),
             "row": row,
-            "image": describe(self._rows[row][self.image_column]),
+            "image": describe(self._image_value(row)),
             "text": text,
         }
 
     def _scan(self, texts: list[str], verify: Verify, progress: bool) -> list[int]:
         from tqdm.auto import tqdm
 
-        images = self._rows[self.image_column] if verify != "none" else None
+        images = self._rows.data.column(self.image_column) if verify != "none" else None
         keep = []
         for row in tqdm(
             range(len(texts)), desc=f"checking {self.table.name}", disable=not progress, unit="item"
@@ -340,7 +344,7 @@ class ImageTextDataset(Dataset):
                 self._log.add(self._item_info(row, texts[row]), "empty caption")
                 continue
             if images is not None:
-                reason = self._check_image(images[row], verify)
+                reason = self._check_image(images[row].as_py(), verify)
                 if reason:
                     self._log.add(self._item_info(row, texts[row]), reason)
                     continue
@@ -351,7 +355,9 @@ class ImageTextDataset(Dataset):
         try:
             image = open_image(image_source(value, self.base_dir))
             with image:
-                width, height = header_size(image)
+                # The shorter side does not depend on EXIF orientation; reading the orientation
+                # would make Pillow decode a whole PNG (its eXIf chunk may follow the pixels).
+                width, height = image.size
                 if verify == "full":
                     to_rgb(image)
         except BadImageError as err:
@@ -366,7 +372,7 @@ class ImageTextDataset(Dataset):
     def load_image(self, i: int) -> Any:
         """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
         row = self.indices[i]
-        image = to_rgb(open_image(image_source(self._rows[row][self.image_column], self.base_dir)))
+        image = to_rgb(open_image(image_source(self._image_value(row), self.base_dir)))
         if self.small_images == "skip" and min(image.size) < self.image_size:
             raise BadImageError(f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})")
         return image
