@@ -131,21 +131,22 @@ def test_missing_weights_message_reaches_the_user(tmp_path, monkeypatch, capsys)
     assert inception.INCEPTION_SHA256 in err and "nowhere.pth" in err and "not a readable image" not in err
 
 
-def _random_inception_weights(path: Path, monkeypatch) -> str:
-    """A file in the real format (torch-fidelity's state dict), random values; returns its sha256."""
+@pytest.fixture(scope="module")
+def random_weights(tmp_path_factory):
+    """A file in the real format (torch-fidelity's state dict), random values; (path, sha256)."""
     import torch_fidelity.feature_extractor_inceptionv3 as fe
 
-    with monkeypatch.context() as m:
+    with pytest.MonkeyPatch.context() as m:
         m.setattr(fe.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd: None)
         m.setattr(fe, "load_state_dict_from_url", lambda *a, **k: {})
         model = fe.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
+    path = tmp_path_factory.mktemp("inception") / inception.INCEPTION_FILE
     torch.save(model.state_dict(), path)
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_inception_path_end_to_end_with_verified_weights(tmp_path, monkeypatch):
-    weights = tmp_path / inception.INCEPTION_FILE
-    digest = _random_inception_weights(weights, monkeypatch)
+def test_inception_path_end_to_end_with_verified_weights(random_weights):
+    weights, digest = random_weights
     with pytest.raises(ValueError, match="sha256"):
         inception.load_inception(weights)  # the random file is not the published one
     model = inception.load_inception(weights, expected_sha256=digest)
@@ -166,15 +167,14 @@ def test_weights_that_need_unpickling_are_refused(tmp_path):
         inception.load_inception(path, expected_sha256=hashlib.sha256(path.read_bytes()).hexdigest())
 
 
-def test_fid_command_writes_labelled_json(tmp_path, monkeypatch):
+def test_fid_command_writes_labelled_json(tmp_path, monkeypatch, random_weights):
     """The CLI path with the InceptionV3 network (random weights, sha256 of that file patched in)."""
     import rapiddiff.eval.inception as inc
 
-    weights = tmp_path / "w.pth"
-    digest = _random_inception_weights(weights, monkeypatch)
+    weights, digest = random_weights
     monkeypatch.setattr(inc, "INCEPTION_SHA256", digest)
-    _write_images(tmp_path / "real", 3, 0, size=20)
-    _write_images(tmp_path / "fake", 3, 1, size=20)
+    _write_images(tmp_path / "real", 2, 0, size=20)
+    _write_images(tmp_path / "fake", 2, 1, size=20)
     out = tmp_path / "fid.json"
     code = main(
         [
@@ -196,4 +196,4 @@ def test_fid_command_writes_labelled_json(tmp_path, monkeypatch):
     record = json.loads(out.read_text())
     assert record["label"] == "FID" and record["value"] > 0
     assert "torch-fidelity" in record["details"]["library"] and "299" in record["details"]["resize"]
-    assert record["details"]["n_fake"] == 3 and record["warnings"]
+    assert record["details"]["n_fake"] == 2 and record["warnings"]
