@@ -219,9 +219,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir, device=device, dtype=dtype, upscaler=args.upscaler
     )
     if args.fast:
-        from rapiddiff.infer.accelerate import accelerate
-
-        pipe = accelerate(pipe) or pipe
+        pipe.enable_fast()
     if kwargs.get("upscale") is None:
         kwargs["upscale"] = pipe.upscaler is not None
     paths, images = _generate(pipe, prompts, kwargs, args, out)

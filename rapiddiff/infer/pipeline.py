@@ -120,6 +120,7 @@ class RapidDiffusionPipeline:
         self.model_name = model_name
         self.model_path = model_path
         self.upscale_tile: int | None = 256  # input pixels per upscaler tile (bounded memory)
+        self.fast: Any = None  # set by enable_fast(): the accelerated sampling + decoding runner
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -332,38 +333,9 @@ class RapidDiffusionPipeline:
         n = len(prompts) * num_images_per_prompt
         seeds = _seeds(seed, n)
 
-        sched = make_scheduler(sched_name, self.scheduler.config)
-        sched.set_timesteps(num_inference_steps, device=self.device)
-        do_cfg = guidance_scale > 1.0
-
         previous = getattr(self.text_encoder, "knowledge", None)
         if knowledge is None:
             knowledge = bool(previous)  # as the pipeline was loaded (on, unless loaded with knowledge=False)
-        elif previous is not None:
-            self.text_encoder.knowledge = knowledge
-        try:
-            with _inference():
-                cond, uncond = self.encode_prompt(prompts, negatives, do_classifier_free_guidance=do_cfg)
-        finally:
-            if previous is not None:
-                self.text_encoder.knowledge = previous
-        # One row per image, prompt by prompt: p0 img0, p0 img1, ..., p1 img0, ... (as diffusers orders them)
-        cond = cond.repeat_interleave(num_images_per_prompt, dim=0)
-        uncond = uncond.repeat_interleave(num_images_per_prompt, dim=0) if uncond is not None else None
-
-        latents, generators = self.prepare_latents(seeds, height, width, sched, dtype=cond.dtype)
-        step_kwargs = _step_kwargs(sched, generators, eta)
-        latents = self.denoise(
-            latents,
-            cond,
-            uncond,
-            sched.timesteps,
-            guidance_scale,
-            scheduler=sched,
-            step_kwargs=step_kwargs,
-            progress=progress,
-        )
-
         all_prompts = [p for p in prompts for _ in range(num_images_per_prompt)]
         all_negatives = [p for p in negatives for _ in range(num_images_per_prompt)]
         settings = {
@@ -383,12 +355,117 @@ class RapidDiffusionPipeline:
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
         ]
-        if output_type == "latent":
-            return GenerationOutput(latents, seeds, all_prompts, all_negatives, metadata)
-        images = self.decode_latents(latents)  # (N, 3, H, W) in [0, 1]
+
+        try:
+            if previous is not None:
+                self.text_encoder.knowledge = knowledge
+            if self.fast is not None and output_type != "latent" and not eta:
+                images = self._fast_images(
+                    prompts, negatives, sched_name, seeds, num_inference_steps, guidance_scale, height, width,
+                    num_images_per_prompt,
+                )  # fmt: skip
+            else:
+                latents = self._sample(
+                    prompts, negatives, sched_name, seeds, num_inference_steps, guidance_scale, height, width,
+                    num_images_per_prompt, eta, progress,
+                )  # fmt: skip
+                if output_type == "latent":
+                    return GenerationOutput(latents, seeds, all_prompts, all_negatives, metadata)
+                images = self.decode_latents(latents)  # (N, 3, H, W) in [0, 1]
+        finally:
+            if previous is not None:
+                self.text_encoder.knowledge = previous
         if upscale:
             images = self.upscale(images)
         return GenerationOutput(_convert(images, output_type), seeds, all_prompts, all_negatives, metadata)
+
+    def _sample(
+        self,
+        prompts: list[str],
+        negatives: list[str],
+        sched_name: str,
+        seeds: list[int],
+        steps: int,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        per_prompt: int,
+        eta: float,
+        progress: bool,
+    ) -> torch.Tensor:
+        """The eager path: encode → noise → denoise; returns the final latents."""
+        sched = make_scheduler(sched_name, self.scheduler.config)
+        sched.set_timesteps(steps, device=self.device)
+        do_cfg = guidance_scale > 1.0
+        with _inference():
+            cond, uncond = self.encode_prompt(prompts, negatives, do_classifier_free_guidance=do_cfg)
+        # One row per image, prompt by prompt: p0 img0, p0 img1, ..., p1 img0, ... (as diffusers orders them)
+        cond = cond.repeat_interleave(per_prompt, dim=0)
+        uncond = uncond.repeat_interleave(per_prompt, dim=0) if uncond is not None else None
+        latents, generators = self.prepare_latents(seeds, height, width, sched, dtype=cond.dtype)
+        return self.denoise(
+            latents,
+            cond,
+            uncond,
+            sched.timesteps,
+            guidance_scale,
+            scheduler=sched,
+            step_kwargs=_step_kwargs(sched, generators, eta),
+            progress=progress,
+        )
+
+    # ------------------------------------------------------------------ the fast path
+    def enable_fast(self, **switches: Any) -> Any:
+        """Route sampling and decoding through ``rapiddiff.infer.accelerate`` (the GPU fast path).
+
+        Everything else — prompts, seeds (the same CPU-generator noise), sampler choice, the
+        knowledge switch, upscaling, metadata — stays here, so a call means the same on both paths.
+        Returns the accelerated runner; ``pipe.fast = None`` goes back to the eager loop.
+        """
+        import importlib.util
+
+        if importlib.util.find_spec("rapiddiff.infer.accelerate") is None:
+            raise RuntimeError(
+                "the fast path (rapiddiff.infer.accelerate) is not available in this installation"
+            )
+        from rapiddiff.infer.accelerate import accelerate
+
+        self.fast = accelerate(self, **switches)
+        return self.fast
+
+    def _fast_images(
+        self,
+        prompts: list[str],
+        negatives: list[str],
+        sched_name: str,
+        seeds: list[int],
+        steps: int,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        per_prompt: int,
+    ) -> torch.Tensor:
+        import numpy as np
+        import torch
+
+        base = self.scheduler
+        # The runner samples with ``self.scheduler``: give it the requested sampler for this call.
+        self.scheduler = make_scheduler(sched_name, base.config)
+        try:
+            out = self.fast(
+                prompts,
+                negatives,
+                num_inference_steps=steps,
+                guidance_scale=guidance_scale,
+                height=height,
+                width=width,
+                generator=[torch.Generator("cpu").manual_seed(int(s)) for s in seeds],
+                num_images_per_prompt=per_prompt,
+                output_type="np",
+            )
+        finally:
+            self.scheduler = base
+        return torch.from_numpy(np.asarray(out.images)).permute(0, 3, 1, 2).float()  # (N, 3, H, W)
 
 
 def _inference() -> Any:

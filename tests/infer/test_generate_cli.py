@@ -164,13 +164,25 @@ def test_fast_flag(model, tmp_path, capsys, monkeypatch):
     assert main(["generate", "x", "--model", model, "--fast", "--out", str(tmp_path), *FAST]) == 2
     assert "not available" in capsys.readouterr().err
 
+    # With the module present, sampling and decoding go through its runner; the rest stays the pipeline's.
     calls = []
+
+    def accelerate(pipe, **switches):
+        def runner(prompts, negatives, *, generator, output_type, height, width, **kwargs):
+            calls.append((pipe, [g.initial_seed() for g in generator], output_type))
+            return types.SimpleNamespace(images=np.full((len(generator), height, width, 3), 0.5, np.float32))
+
+        return runner
+
     fake = types.ModuleType(name)
     fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    fake.accelerate = lambda pipe: calls.append(pipe) or pipe
+    fake.accelerate = accelerate
     monkeypatch.setitem(sys.modules, name, fake)
-    assert main(["generate", "x", "--model", model, "--fast", "--out", str(tmp_path), *FAST]) == 0
-    assert len(calls) == 1 and hasattr(calls[0], "denoise")
+    out = tmp_path / "fast"
+    assert main(["generate", "x", "--model", model, "--fast", "--seed", "3", "--out", str(out), *FAST]) == 0
+    assert len(calls) == 1 and hasattr(calls[0][0], "denoise") and calls[0][1:] == ([3], "np")
+    image = _pngs(out)[0]
+    assert np.asarray(Image.open(image)).max() == 128 and read_png_metadata(image)["seed"] == 3
 
 
 def test_help_lists_the_options(capsys):
