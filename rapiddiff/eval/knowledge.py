@@ -15,6 +15,7 @@ table. Generation is batched and resumable like ``eval sample``.
 from __future__ import annotations
 
 import argparse
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -60,11 +61,12 @@ def read_knowledge_prompts(kshapes: str | Path, splits: Sequence[str] = SPLITS) 
 
 
 def score_run(
-    run_dir: Path, detect: Callable[[Any], dict[str, Any]] | None = None, *, workers: int = 0
+    run_dir: Path, detect: Callable[[Any], dict[str, Any]] | None = None, *, workers: int | None = None
 ) -> list[dict[str, Any]]:
     """Detect colour and shape on every image of a run; one record per image (also written to
     ``detections.jsonl``). ``detect`` defaults to the kshapes detector, which can run in
-    ``workers`` processes (it is numpy/scipy on one image: processes, not threads, use the cores)."""
+    ``workers`` processes (it is numpy/scipy on one image: processes, not threads, use the cores;
+    None: up to 8 for runs of 200 images or more, else in-process)."""
     from tqdm.auto import tqdm
 
     from rapiddiff.eval.common import read_index
@@ -72,10 +74,14 @@ def score_run(
     index = read_index(run_dir)
     tasks = [(str(run_dir), row) for row in index]
     bar = {"total": len(index), "desc": f"detect {run_dir.name}", "unit": "img"}
+    if workers is None:
+        workers = min(8, os.cpu_count() or 1) if len(index) >= 200 else 0
     if detect is None and workers > 1:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(workers) as pool:
+        # forkserver: workers never inherit this process's CUDA context or threads.
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
             records = list(tqdm(pool.map(_detect_one, tasks, chunksize=16), **bar))
     else:
         records = [_detect_one(task, detect) for task in tqdm(tasks, **bar)]
@@ -144,7 +150,8 @@ def per_entity(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, di
     return dict(sorted(table.items()))
 
 
-def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], chance: dict[str, float] | None = None) -> str:
+    """The table as markdown (BENCHMARKS.md), with the chance level under it when given."""
     lines = [
         "| entities | knowledge | images | colour acc. % | shape acc. % | both % |",
         "|---|---|---:|---:|---:|---:|",
@@ -153,6 +160,11 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['split']} ({r['entities']}) | {r['knowledge']} | {r['images']} | "
             f"{r['colour']:.1f} | {r['shape']:.1f} | {r['both']:.1f} |"
+        )
+    if chance:
+        lines.append(
+            f"\nChance (uniform guess): colour {chance['colour']:.1f} %, shape {chance['shape']:.1f} %, "
+            f"both {chance['both']:.1f} %."
         )
     return "\n".join(lines)
 
@@ -167,7 +179,7 @@ def evaluate_knowledge(
     modes: Sequence[str] = ("on", "off"),
     batch_size: int = 16,
     overwrite: bool = False,
-    workers: int = 0,
+    workers: int | None = None,
     info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Generate (both modes, same seeds), detect, tabulate; returns the metric record."""
@@ -216,7 +228,9 @@ def evaluate_knowledge(
         },
     )
     write_json(out / METRICS_DIR / "knowledge.json", record)
-    (out / "knowledge.md").write_text(markdown_table(rows) + "\n", encoding="utf-8")
+    (out / "knowledge.md").write_text(
+        markdown_table(rows, record["details"]["chance"]) + "\n", encoding="utf-8"
+    )
     return record
 
 
@@ -243,7 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="on,off", help="knowledge modes to run (default: on,off)")
     parser.add_argument("--limit", type=int, help="only the first N prompts of each split (quick checks)")
     parser.add_argument(
-        "--workers", type=int, default=0, help="processes for the detector (default: 0 = in-process)"
+        "--workers",
+        type=int,
+        help="processes for the detector (default: up to 8 for ≥ 200 images; 0: in-process)",
     )
     add_sampling_arguments(parser)
     parser.set_defaults(images_per_prompt=4, batch_size=32)
@@ -282,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         info={"kshapes": str(args.kshapes), "fast": args.fast, "model_config": model_config(args.model)},
     )
-    print(markdown_table(record["table"]))
+    print(markdown_table(record["table"], record["details"]["chance"]))
     for w in record["warnings"]:
         print(f"warning: {w}")
     print(f"→ {args.out / METRICS_DIR / 'knowledge.json'}")

@@ -226,14 +226,21 @@ def generate(
     with tqdm(total=len(todo), desc="sampling", unit="img") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
+            # A pipeline with compiled / graph-captured loops (the fast path) gets full batches only:
+            # the last one is padded with repeats whose images are dropped, so no new shape recompiles.
+            padded = (
+                batch + [batch[-1]] * (batch_size - len(batch))
+                if getattr(pipe, "fixed_batch", False)
+                else batch
+            )
             out = pipe(
-                [job.prompt for job in batch],
+                [job.prompt for job in padded],
                 negative_prompt=negative,
-                seed=[job.seed for job in batch],
+                seed=[job.seed for job in padded],
                 progress=False,
                 **kwargs,
             )
-            images = list(out.images)
+            images = list(out.images)[: len(batch)] if len(padded) > len(batch) else list(out.images)
             if len(images) != len(batch):
                 raise RuntimeError(f"the pipeline returned {len(images)} images for {len(batch)} prompts")
             metas = list(getattr(out, "metadata", None) or [{} for _ in batch])
@@ -302,6 +309,7 @@ class FastSampler:
 
     def __init__(self, pipe: Any, fast: Any) -> None:
         self.pipe, self.fast = pipe, fast
+        self.fixed_batch = True  # see generate(): one batch shape, one compiled loop
         self.text_encoder = pipe.text_encoder
         self.device = getattr(fast, "device", None)
         self._scheduler: str | None = None

@@ -116,5 +116,25 @@ def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, caps
     for split in ("seen", "heldout"):
         on, off = rows[(split, "on")], rows[(split, "off")]
         assert (on["colour"], on["shape"], on["both"]) == (off["colour"], off["shape"], off["both"])
-    assert markdown_table(record["table"]) in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert markdown_table(record["table"]) in printed and "Chance (uniform guess): colour 12.5 %" in printed
     assert len(list((out / "knowledge_on" / "images").glob("*.png"))) == 8
+
+
+def test_fixed_batch_pipelines_get_full_batches_and_the_detector_runs_in_processes(tmp_path):
+    prompts = _prompts()
+    pipe = OraclePipe(prompts)
+    pipe.fixed_batch = True  # as the fast path's sampler declares: one shape, one compiled loop
+    record = evaluate_knowledge(
+        pipe,
+        prompts,
+        tmp_path / "run",
+        SampleSettings(model="oracle", images_per_prompt=2),
+        batch_size=3,
+        modes=("on",),
+        workers=2,
+    )
+    assert pipe.calls == [3, 3, 3]  # the last batch of 2 padded to 3; its extra image dropped
+    rows = {(r["split"], r["knowledge"]): r for r in record["table"]}
+    assert rows[("heldout", "on")]["both"] == 100.0 and rows[("seen", "on")]["images"] == 4
+    assert len(list((tmp_path / "run" / "knowledge_on" / "images").glob("*.png"))) == 8
