@@ -1,4 +1,4 @@
-"""``rapiddiff data <command>``: dataset tools (kshapes benchmark, inspect).
+"""``rapiddiff data <command>``: dataset tools (kshapes benchmark, inspect, prepare).
 
 Heavy imports (torch, datasets, PIL) stay inside the command functions so ``--help`` is instant.
 """
@@ -49,6 +49,36 @@ def register(parser: argparse.ArgumentParser) -> None:
     ks.add_argument("--overwrite", action="store_true", help="replace kshapes files already in --out")
     ks.set_defaults(func=_kshapes)
 
+    ins = sub.add_parser(
+        "inspect",
+        help="check an image–caption dataset: counts, bad items, size/length histograms, entity coverage",
+        description=(
+            "Decode every image of PATH (an image folder with metadata.jsonl, or a CSV/TSV/JSONL/parquet "
+            "file) and report: usable and skipped items (with reasons), image-size and caption-length "
+            "statistics and histograms, and with --store the share of captions that mention an entity of "
+            "a KnowledgeStore. With --out, writes report.json, skipped.jsonl, image_sizes.png and "
+            "caption_lengths.png there."
+        ),
+    )
+    ins.add_argument("path", type=Path, help="image folder or table file")
+    ins.add_argument("--store", type=Path, default=None, help="KnowledgeStore folder for entity coverage")
+    ins.add_argument("--out", type=Path, default=None, help="folder for report.json, skipped.jsonl and PNGs")
+    ins.add_argument(
+        "--image-size", type=int, default=256, help="training size; smaller images are counted (256)"
+    )
+    ins.add_argument(
+        "--small-images",
+        choices=["upscale", "skip"],
+        default="upscale",
+        help="count images below --image-size as skipped (skip) or as usable (upscale)",
+    )
+    ins.add_argument("--image-column", default="image", help="image column (folders use file_name)")
+    ins.add_argument("--text-column", default="text", help="caption column")
+    ins.add_argument("--column-names", default=None, help="comma-separated names for a headerless CSV/TSV")
+    ins.add_argument("--t2s", action="store_true", help="convert traditional captions to simplified first")
+    ins.add_argument("--json", action="store_true", help="print the full report as JSON")
+    ins.set_defaults(func=_inspect)
+
 
 def _kshapes(args: argparse.Namespace) -> int:
     from rapiddiff.data.kshapes import SMALL_PRESET, KShapesConfig, generate_kshapes
@@ -74,4 +104,24 @@ def _kshapes(args: argparse.Namespace) -> int:
     except FileExistsError as err:
         raise ValueError(str(err)) from err
     print(json.dumps(summary, ensure_ascii=False, indent=1))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rapiddiff.data.inspect import format_report, inspect_dataset
+
+    report = inspect_dataset(
+        args.path,
+        out=args.out,
+        store=args.store,
+        image_size=args.image_size,
+        small_images=args.small_images,
+        image_column=args.image_column,
+        text_column=args.text_column,
+        column_names=args.column_names.split(",") if args.column_names else None,
+        t2s=args.t2s,
+    )
+    print(json.dumps(report, ensure_ascii=False, indent=1) if args.json else format_report(report))
+    if args.out:
+        print(f"report written to {args.out}")
     return 0

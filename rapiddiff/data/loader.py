@@ -298,6 +298,7 @@ class ImageTextDataset(Dataset):
         _check_text_column(columns, text_column, self.table)
         self.text_column = text_column
         texts = [clean_caption(t, t2s=t2s) for t in self._rows.data.column(text_column).to_pylist()]
+        self.image_sizes: dict[int, tuple[int, int]] = {}  # row → (width, height), from the scan
         keep = self._scan(texts, verify, progress)
         self.indices: list[int] = keep
         self.texts: list[str] = [texts[i] for i in keep]
@@ -338,20 +339,23 @@ class ImageTextDataset(Dataset):
         images = self._rows.data.column(self.image_column) if verify != "none" else None
         keep = []
         for row in tqdm(
-            range(len(texts)), desc=f"checking {self.table.name}", disable=not progress, unit="item"
+            range(len(texts)),
+            desc=f"checking {self.table.parent.name if self.table.name in METADATA_NAMES else self.table.name}",
+            disable=not progress,
+            unit="item",
         ):
             if not texts[row]:
                 self._log.add(self._item_info(row, texts[row]), "empty caption")
                 continue
             if images is not None:
-                reason = self._check_image(images[row].as_py(), verify)
+                reason = self._check_image(row, images[row].as_py(), verify)
                 if reason:
                     self._log.add(self._item_info(row, texts[row]), reason)
                     continue
             keep.append(row)
         return keep
 
-    def _check_image(self, value: Any, verify: Verify) -> str | None:
+    def _check_image(self, row: int, value: Any, verify: Verify) -> str | None:
         try:
             image = open_image(image_source(value, self.base_dir))
             with image:
@@ -359,9 +363,10 @@ class ImageTextDataset(Dataset):
                 # would make Pillow decode a whole PNG (its eXIf chunk may follow the pixels).
                 width, height = image.size
                 if verify == "full":
-                    to_rgb(image)
+                    width, height = to_rgb(image).size  # oriented
         except BadImageError as err:
             return str(err)
+        self.image_sizes[row] = (width, height)
         if self.small_images == "skip" and min(width, height) < self.image_size:
             return f"image too small ({width}x{height} < {self.image_size})"
         return None
