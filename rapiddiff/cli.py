@@ -15,11 +15,13 @@ from rapiddiff import __version__
 from rapiddiff.utils.logging import setup_logging
 
 # command name → (module with register(parser), one-line help)
+# (in pipeline order, which is the order `rapiddiff --help` lists them)
 COMMANDS: dict[str, tuple[str, str]] = {
     "kg": ("rapiddiff.kg.cli", "knowledge graph: train TransE into a KnowledgeStore, link entities in text, inspect a store"),
-    "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
-    "generate": ("rapiddiff.infer.generate_cli", "text → images: sample a model folder to PNGs that record their settings"),
     "data": ("rapiddiff.data.cli", "datasets: write the kshapes benchmark, inspect image–caption data"),
+    "train": ("rapiddiff.train.cli", "train from a YAML config (LightningCLI): clip, unet, finetune, vae, upscaler"),
+    "generate": ("rapiddiff.infer.generate_cli", "text → images: sample a model folder to PNGs that record their settings"),
+    "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
 }
 
 
