@@ -292,47 +292,50 @@ def save_png(image: torch.Tensor, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- data order
 class ResumableSampler(Sampler[int]):
-    """Seeded shuffle per epoch, sharded across ranks, that resumes at a batch inside an epoch.
+    """Seeded shuffle per epoch, sharded across ranks, positioned by the batches already trained.
 
     Epoch ``e`` uses the permutation of ``torch.Generator().manual_seed(seed + e)`` (padded so every
     rank gets the same count, as ``DistributedSampler`` does); rank ``r`` of ``w`` takes every w-th
-    index. :meth:`skip` drops the batches a resumed run has already trained on (once).
-    Lightning's own restore covers optimizer, schedulers and loop counters but not the data
-    position for plain samplers, hence this class.
+    index. Each ``iter()`` asks ``position()`` how many batches this process has trained on so far
+    and starts there: epoch = position // batches_per_epoch, skipping position % batches_per_epoch
+    batches. Lightning restores its loop counters but not the data position of plain samplers,
+    and its epoch counter is not reliable after a restart at an epoch's end; the batch count is.
+
+    Datasets with ``epoch_indexed = True`` receive ``epoch * len(dataset) + index`` (their random
+    augmentation then depends on the epoch, also inside DataLoader workers, which hold copies).
     """
 
     def __init__(
         self,
         size: int,
         *,
+        batch_size: int,
+        position: Any = None,
         seed: int = 0,
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
-        dataset: Any = None,
+        drop_last: bool = True,
+        epoch_indexed: bool = False,
     ) -> None:
         if size < 1:
             raise ValueError("the dataset is empty: nothing to train on")
-        self.size = size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.rank = rank
-        self.world_size = world_size
+        self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.position = position or (lambda: 0)
+        self.epoch_indexed = epoch_indexed
         self.epoch = 0
-        self._skip = 0
-        self._dataset = dataset  # told the epoch too, for per-epoch deterministic augmentation
+
+    def batches_per_epoch(self) -> int:
+        n = len(self)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-        if self._dataset is not None and hasattr(self._dataset, "set_epoch"):
-            self._dataset.set_epoch(self.epoch)
+        """Lightning calls this; the epoch actually used comes from ``position()`` (see above)."""
 
-    def skip(self, samples: int) -> None:
-        self._skip = int(samples)
-
-    def _indices(self) -> list[int]:
+    def _indices(self, epoch: int) -> list[int]:
         if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
             indices = order.tolist()
         else:
             indices = list(range(self.size))
@@ -341,8 +344,13 @@ class ResumableSampler(Sampler[int]):
         return indices[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        indices = self._indices()[self._skip :]
-        self._skip = 0
+        # Computed here, not lazily: DataLoader calls iter() when the epoch starts.
+        done = int(self.position())
+        per_epoch = max(self.batches_per_epoch(), 1)
+        self.epoch, skip = divmod(done, per_epoch)
+        indices = self._indices(self.epoch)[skip * self.batch_size :]
+        if self.epoch_indexed:
+            indices = [self.epoch * self.size + i for i in indices]
         return iter(indices)
 
     def __len__(self) -> int:
@@ -366,15 +374,22 @@ def resumable_loader(
     shards by rank itself.
     """
     rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def position() -> int:
+        # Batches this process has trained on (restored from the checkpoint on resume).
+        return trainer.fit_loop.epoch_loop.batch_progress.total.processed if trainer is not None else 0
+
     sampler = ResumableSampler(
-        len(dataset), seed=seed, shuffle=shuffle, rank=rank, world_size=world, dataset=dataset
+        len(dataset),
+        batch_size=batch_size,
+        position=position,
+        seed=seed,
+        shuffle=shuffle,
+        rank=rank,
+        world_size=world,
+        drop_last=drop_last,
+        epoch_indexed=bool(getattr(dataset, "epoch_indexed", False)),
     )
-    if trainer is not None:
-        sampler.set_epoch(trainer.current_epoch)
-        # Restored loop counters say how many batches of this epoch were already trained on.
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
-        if done:
-            sampler.skip(done * batch_size)
     if len(sampler) < batch_size and drop_last:
         raise ValueError(
             f"{len(sampler)} examples per process but batch_size={batch_size}: lower the batch size "
@@ -388,7 +403,6 @@ def resumable_loader(
         drop_last=drop_last,
         collate_fn=collate_fn,
         pin_memory=torch.cuda.is_available(),
-        persistent_workers=False,  # workers must see the dataset's epoch, set before each iter
     )
 
 
@@ -500,6 +514,10 @@ def run_cli(
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
         cli = _make_cli(model_class, datamodule_class, args, description, defaults)
     trainer, model = cli.trainer, cli.model
+    for callback in trainer.checkpoint_callbacks:
+        # Resolved now, not in setup: `--ckpt_path last` looks for last.ckpt before setup runs.
+        if isinstance(callback, RollingCheckpoint) and callback.dirpath is None:
+            callback.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
     trainer.fit(model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     if cli.interrupt.interrupted:
         return cli

@@ -137,7 +137,10 @@ class PairedImageDataset(Dataset):
     ``patch_size`` (low-resolution pixels) crops aligned random patches, with crop positions a
     function of (seed, epoch, index) so a resumed run crops the same patches; ``None`` keeps
     whole images. Items: ``{"lr": [3, h, w], "hr": [3, h·s, w·s]}`` in [0, 1], ``"index"``.
+    Indices ≥ len are ``epoch * len + index`` (from :class:`~rapiddiff.train.common.ResumableSampler`).
     """
+
+    epoch_indexed = True
 
     def __init__(
         self,
@@ -167,15 +170,12 @@ class PairedImageDataset(Dataset):
                 f"{self.hr_dir} must hold the same file names"
             )
         self.scale, self.patch_size, self.seed, self.flips = scale, patch_size, seed, flips
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        epoch, index = divmod(index, len(self.names))
         name = self.names[index]
         lr = (load_image(self.lr_dir / name) + 1) / 2  # (3, h, w) in [0, 1]
         hr = (load_image(self.hr_dir / name) + 1) / 2  # (3, h·s, w·s)
@@ -185,7 +185,7 @@ class PairedImageDataset(Dataset):
                 f"{self.hr_dir / name}: size {tuple(hr.shape[-2:])} is not {s}× {self.lr_dir / name} "
                 f"({tuple(lr.shape[-2:])})"
             )
-        rng = random.Random(hash((self.seed, self.epoch, index)))
+        rng = random.Random(hash((self.seed, epoch, index)))
         if self.patch_size is not None:
             p = self.patch_size
             h, w = lr.shape[-2:]

@@ -162,6 +162,7 @@ class LatentDiffusion(RapidModule):
         self.ema = self._make_ema(ema)
         self._latents: torch.Tensor | None = None  # (N, 2·C, h, w) latent mean ‖ logvar when cached
         self.strict_loading = False  # checkpoints hold trained weights only (see on_save_checkpoint)
+        self.train()  # frozen parts to eval mode now: Lightning keeps submodule modes as it finds them
 
     # ------------------------------------------------------------------ set-up
     def _check_widths(self) -> None:

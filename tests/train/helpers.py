@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+from pytorch_lightning.callbacks import Callback
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTIONS = [
@@ -91,3 +95,44 @@ def tiny_unet_args(
         "--data.batch_size=2",
         "--data.num_workers=0",
     ]
+
+
+class RecordLosses(Callback):
+    """Appends "global_step loss" per optimizer step to ``path`` (the logged per-step losses)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(f"{trainer.global_step} {float(outputs['loss']):.10g}\n")
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    pairs = (line.split() for line in path.read_text(encoding="utf-8").splitlines())
+    return {int(step): float(loss) for step, loss in pairs}
+
+
+class SendCtrlC(Callback):
+    """Sends SIGINT to this process after optimizer step ``step`` (as a user's Ctrl-C would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+class PoisonWeights(Callback):
+    """Sets every trained weight to NaN before the batch of optimizer step ``step`` (a diverged run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    if p.requires_grad:
+                        p.fill_(float("nan"))

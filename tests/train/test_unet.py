@@ -4,30 +4,151 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pytorch_lightning.callbacks import Callback
+import pytest
+import torch
 
 from rapiddiff.train import unet as unet_stage
-from tests.train.helpers import tiny_unet_args, write_imagefolder
+from rapiddiff.train.common import NonFiniteLossError
+from tests.train.helpers import read_losses, tiny_unet_args, write_imagefolder
 
 
-class LossLog(Callback):
-    def __init__(self) -> None:
-        self.losses: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses[trainer.global_step] = float(outputs["loss"])
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_imagefolder(tmp_path_factory.mktemp("unet") / "data")
 
 
-def test_unet_stage_runs_from_config_and_exports_a_diffusers_folder(tmp_path: Path) -> None:
-    data = write_imagefolder(tmp_path / "data")
+def test_runs_from_config_and_exports_a_diffusers_folder(data: Path, tmp_path: Path) -> None:
     root = tmp_path / "run"
     unet_stage.cli_main(tiny_unet_args(data, root, max_steps=3))
-    ckpts = sorted((root / "checkpoints").glob("*.ckpt"))
-    assert {p.name for p in ckpts} >= {"step=0000002.ckpt", "last.ckpt"}
-    assert (root / "checkpoints" / "config.yaml").is_file()
-    assert list(root.rglob("samples/step=*.png"))
+    names = {p.name for p in (root / "checkpoints").glob("*.ckpt")}
+    assert names >= {"step=0000002.ckpt", "last.ckpt"}
+    assert (root / "checkpoints" / "config.yaml").is_file()  # the resolved config beside them
+    grids = sorted(root.rglob("samples/step=*.png"))
+    assert [g.name for g in grids] == ["step=0000002.png", "step=0000003.png"]
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(root / "model", safety_checker=None)
     assert pipe.unet.config.cross_attention_dim == 32
     assert (root / "model" / "training_config.yaml").is_file()
+    # The exported U-Net is the EMA of the trained weights, not the init.
+    fresh = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny")
+    assert not torch.equal(pipe.unet.conv_in.weight, fresh.unet.conv_in.weight)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    root = tmp_path_factory.mktemp("whole")
+    record = "--trainer.callbacks+=tests.train.helpers.RecordLosses"
+    unet_stage.cli_main(
+        [*tiny_unet_args(data, root, 5), record, f"--trainer.callbacks.path={root / 'a.txt'}"]
+    )
+    return read_losses(root / "a.txt")
+
+
+@pytest.mark.parametrize("stop", [3, 2])  # 2 batches an epoch: mid-epoch, and at an epoch's end
+def test_ctrl_c_saves_and_resume_reproduces_the_uninterrupted_losses(
+    data: Path, tmp_path: Path, uninterrupted: dict[int, float], stop: int
+) -> None:
+    parts = tmp_path / "parts"
+    record = "--trainer.callbacks+=tests.train.helpers.RecordLosses"
+    unet_stage.cli_main(
+        [
+            *tiny_unet_args(data, parts, 5),
+            record,
+            f"--trainer.callbacks.path={tmp_path / 'b.txt'}",
+            "--trainer.callbacks+=tests.train.helpers.SendCtrlC",
+            f"--trainer.callbacks.step={stop}",
+        ]
+    )
+    assert (parts / "checkpoints" / "last.ckpt").is_file()
+    assert not (parts / "model").exists()  # an interrupted run exports nothing
+    assert max(read_losses(tmp_path / "b.txt")) == stop
+    unet_stage.cli_main(
+        [
+            *tiny_unet_args(data, parts, 5),
+            record,
+            f"--trainer.callbacks.path={tmp_path / 'c.txt'}",
+            "--ckpt_path=last",
+        ]
+    )
+    assert sorted(read_losses(tmp_path / "c.txt")) == list(range(stop + 1, 6))  # it went on from `stop`
+    expected = uninterrupted
+    resumed = {**read_losses(tmp_path / "b.txt"), **read_losses(tmp_path / "c.txt")}
+    assert sorted(resumed) == sorted(expected) == [1, 2, 3, 4, 5]
+    assert resumed == expected  # exactly: same data order, noise, optimizer and EMA state
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    args = [
+        *tiny_unet_args(data, root, 6),
+        "--trainer.callbacks+=tests.train.helpers.PoisonWeights",
+        "--trainer.callbacks.step=3",
+    ]
+    with pytest.raises(NonFiniteLossError, match="step 3"):
+        unet_stage.cli_main(args)
+    names = {p.name for p in (root / "checkpoints").glob("*.ckpt")}
+    assert names == {"step=0000002.ckpt", "last.ckpt"}
+    module = unet_stage.LatentDiffusion.load_from_checkpoint(root / "checkpoints" / "last.ckpt")
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert not (root / "model").exists()
+
+
+def test_loss_falls_when_overfitting_one_batch(data: Path) -> None:
+    from rapiddiff.train.data import ImageTextData
+
+    module = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny", ema=None)
+    dm = ImageTextData(str(data), image_size=16, batch_size=2, num_workers=0)
+    dm.setup("fit")
+    batch = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=2)))
+    optimizer = torch.optim.AdamW(module.trainable_parameters(), lr=2e-3)
+    losses = []
+    for _ in range(25):
+        torch.manual_seed(0)  # the same noise, timesteps and dropout every step: a fixed target
+        loss = module.training_step(batch, 0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"trainable": ["fusion"]}, "needs a knowledge store"),
+        ({"trainable": ["vae"]}, "unknown part"),
+    ],
+)
+def test_bad_settings_raise_clear_errors(options: dict, match: str) -> None:
+    kwargs = {"unet": "tiny", "vae": "tiny", "text_encoder": "tiny", **options}
+    with pytest.raises(ValueError, match=match):
+        unet_stage.LatentDiffusion(**kwargs)
+
+
+def test_loss_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="caption_dropout must be in"):
+        unet_stage.DiffusionLoss(caption_dropout=1.5)
+
+
+def test_missing_folder_names_what_was_expected(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="expected a vae folder or a model folder"):
+        unet_stage.LatentDiffusion(unet="tiny", vae=str(tmp_path), text_encoder="tiny")
+
+
+def test_v_prediction_min_snr_and_noise_offset(data: Path) -> None:
+    from rapiddiff.train.unet import DiffusionLoss
+
+    loss_cfg = DiffusionLoss(prediction_type="v_prediction", snr_gamma=5.0, noise_offset=0.1)
+    module = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny", loss=loss_cfg, ema=None)
+    assert module.noise_scheduler.config.prediction_type == "v_prediction"
+    latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    t = torch.tensor([10, 900])
+    assert torch.equal(
+        module.target(latents, noise, t), module.noise_scheduler.get_velocity(latents, noise, t)
+    )
+    # min-SNR: high-SNR (small t) errors are down-weighted relative to plain MSE.
+    pred = torch.zeros_like(latents)
+    plain = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
+    weighted = module.diffusion_loss(pred, noise, t)
+    assert weighted < plain.mean()
