@@ -1,0 +1,145 @@
+"""TransE through pykeen: configs validate, Nations reaches published-level Hits@10 offline,
+and ``rapiddiff kg train`` writes a store that loads, links and describes itself."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from rapiddiff.cli import main
+from rapiddiff.kg.store import KnowledgeStore
+from rapiddiff.kg.transe import TransEConfig, load_transe_config, train_transe
+from rapiddiff.utils.config import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "kg").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_transe_config(path)
+    assert isinstance(cfg, TransEConfig)
+    assert (cfg.dataset is None) != (cfg.triples is None)
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("dataset: nations\nembeding_dim: 8\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'embeding_dim' \(did you mean 'embedding_dim'\?\).*Valid keys"
+    ):
+        load_transe_config(path)
+    path.write_text("dataset: nations\nloss: hinge\n")
+    with pytest.raises(ConfigError, match="unknown loss 'hinge'; choose one of: marginranking"):
+        load_transe_config(path)
+    path.write_text("triples: t.tsv\nsplit: [0.5, 0.5]\n")
+    with pytest.raises(ConfigError, match="'split' must be three positive ratios"):
+        load_transe_config(path)
+    path.write_text("lr: 0.01\n")
+    with pytest.raises(ConfigError, match="exactly one of 'dataset'"):
+        load_transe_config(path)
+    path.write_text("dataset: nations\ntraining_loop: lcwa\nloss: marginranking\n")
+    with pytest.raises(ConfigError, match="needs sampled negatives"):
+        load_transe_config(path)
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_nations_reaches_published_hits_at_10_offline(tmp_path: Path, no_network: None) -> None:
+    # Nations ships inside the pykeen wheel; published TransE filtered Hits@10 on it is > 0.9.
+    cfg = load_transe_config(
+        Path(__file__).resolve().parents[2] / "configs" / "kg" / "nations.yaml",
+        out=tmp_path / "nations",
+        device="cpu",
+        progress=False,
+    )
+    _, metrics = train_transe(cfg)
+    assert metrics["hits_at_10"] >= 0.90, metrics
+    assert 0 < metrics["hits_at_1"] <= metrics["hits_at_3"] <= metrics["hits_at_10"]
+    assert 0 < metrics["mrr"] <= 1
+    loaded = KnowledgeStore.load(tmp_path / "nations")
+    assert len(loaded) == 14 and len(loaded.relation_names) == 55 and loaded.dim == 32
+    assert loaded.config["metrics"]["hits_at_10"] == pytest.approx(metrics["hits_at_10"])
+    # all 1992 facts of Nations (train + validation + test) are the store's facts
+    assert len(loaded.triples) == 1992
+    assert loaded.relation_vectors.shape == (55, 32)
+
+
+def _tiny_kg(folder: Path) -> tuple[Path, Path]:
+    colours, shapes = ["红色", "黄色", "绿色", "紫色"], ["圆形", "长条形", "方形"]
+    lines = ["# head\trelation\ttail"]
+    for i in range(24):
+        item = f"物品{i}"
+        lines += [
+            f"{item}\t颜色\t{colours[i % 4]}",
+            f"{item}\t形状\t{shapes[i % 3]}",
+            f"{item}\t类别\t类别{i % 2}",
+        ]
+    lines.append(lines[1])  # a duplicate: dropped and counted
+    triples = folder / "triples.tsv"
+    triples.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    aliases = folder / "aliases.tsv"
+    aliases.write_text("物品0\t零号物品|ＷＰ０\n红色\t赤色\n", encoding="utf-8")
+    return triples, aliases
+
+
+def test_kg_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    triples, aliases = _tiny_kg(tmp_path)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        f"triples: {triples}\naliases: {aliases}\nout: {tmp_path / 'unused'}\nembedding_dim: 16\n"
+        "epochs: 10\nbatch_size: 64\nlr: 0.05\nnegatives_per_positive: 4\nearly_stopping: true\n"
+        "early_stopping_frequency: 5\nearly_stopping_patience: 1\ntrain_on_all: true\nprogress: false\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "store"
+    assert main(["kg", "train", "--config", str(config), "--out", str(out), "--device", "cpu"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["store"] == str(out) and 0 <= printed["hits_at_10"] <= 1
+
+    store = KnowledgeStore.load(out)
+    assert len(store) == 24 + 4 + 3 + 2
+    assert set(store.relation_names) == {"类别", "形状", "颜色"}
+    assert len(store.triples) == 72  # every distinct fact, duplicates dropped
+    assert store.aliases[store.id_of("物品0")] == ["零号物品", "ＷＰ０"]
+    assert store.id_of("赤色") == store.id_of("红色")
+    facts = {(store.relation_names[r], store.entity_names[t]) for r, t in store.facts(store.id_of("物品5"))}
+    assert facts == {("颜色", "黄色"), ("形状", "方形"), ("类别", "类别1")}
+    saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert set(saved["metrics"]) == {"mrr", "mean_rank", "hits_at_1", "hits_at_3", "hits_at_10"}
+    assert saved["vectors_from"].startswith("all triples")
+    assert saved["training"]["config"]["embedding_dim"] == 16
+
+    assert main(["kg", "link", "一个红色的零号物品，还有ｗｐ０", "--store", str(out)]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.strip().splitlines()]
+    assert rows == [
+        ["2", "4", "红色", "红色"],
+        ["5", "9", "零号物品", "物品0"],
+        ["12", "15", "ｗｐ０", "物品0"],
+    ]
+
+    assert main(["kg", "info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "entities:   33" in text and "hits_at_10" in text
+
+
+def test_kg_train_reports_bad_input_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    triples, _ = _tiny_kg(tmp_path)
+    bad_aliases = tmp_path / "aliases.tsv"
+    bad_aliases.write_text("不存在\t别名\n", encoding="utf-8")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"triples: {triples}\naliases: {bad_aliases}\nprogress: false\n", encoding="utf-8")
+    assert main(["kg", "train", "--config", str(config), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad_aliases}:1: alias line for unknown entity '不存在'" in err
