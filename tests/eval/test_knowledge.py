@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from PIL import Image
 
 from rapiddiff.cli import main
 from rapiddiff.data.kshapes import ENTITIES, SHAPES, ShapeSpec, render
@@ -138,3 +139,60 @@ def test_fixed_batch_pipelines_get_full_batches_and_the_detector_runs_in_process
     rows = {(r["split"], r["knowledge"]): r for r in record["table"]}
     assert rows[("heldout", "on")]["both"] == 100.0 and rows[("seen", "on")]["images"] == 4
     assert len(list((tmp_path / "run" / "knowledge_on" / "images").glob("*.png"))) == 8
+
+
+def test_knowledge_switch_reaches_the_encoder_on_both_paths(tmp_path, knowledge_model):
+    """With a KnowledgeStore, on and off differ for entity prompts; the fast-path adapter honours the switch."""
+    import numpy as np
+
+    from rapiddiff.eval.sample import FastSampler, load_pipeline
+    from rapiddiff.infer.accelerate import accelerate
+
+    kshapes = tmp_path / "kshapes"
+    kshapes.mkdir()
+    (kshapes / "prompts.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in _prompts(1, 1))
+    )
+    out = tmp_path / "run"
+    args = [
+        "eval",
+        "knowledge",
+        "--model",
+        str(knowledge_model),
+        "--kshapes",
+        str(kshapes),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--images-per-prompt",
+        "1",
+        "--device",
+        "cpu",
+    ]
+    assert main(args) == 0
+    record = json.loads((out / "metrics" / "knowledge.json").read_text())
+    assert record["warnings"] == []
+    on = [np.asarray(Image.open(p), float) for p in sorted((out / "knowledge_on" / "images").glob("*.png"))]
+    off = [np.asarray(Image.open(p), float) for p in sorted((out / "knowledge_off" / "images").glob("*.png"))]
+    assert len(on) == len(off) == 2 and all(np.abs(a - b).max() > 0 for a, b in zip(on, off, strict=True))
+
+    pipe = load_pipeline(knowledge_model, device="cpu", dtype="float32")
+    fast = FastSampler(
+        pipe,
+        accelerate(
+            pipe,
+            dtype=None,
+            compile_unet=None,
+            compile_vae=None,
+            loop="eager",
+            attention="default",
+            channels_last=False,
+        ),
+    )
+    kw = dict(seed=[0], num_inference_steps=2, guidance_scale=7.5)
+    prompt = [_prompts(1, 1)[0]["text"]]
+    for knowledge, want in ((True, on[0]), (False, off[0])):
+        got = np.asarray(fast(prompt, knowledge=knowledge, **kw).images[0], float)
+        np.testing.assert_allclose(got, want, atol=1)
+    assert pipe.text_encoder.knowledge is True  # the switch is restored after the call
