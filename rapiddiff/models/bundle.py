@@ -37,11 +37,15 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 RAPIDDIFF_FILE = "rapiddiff.json"
-_WEIGHT_NAMES = {
-    "unet": "diffusion_pytorch_model",
-    "vae": "diffusion_pytorch_model",
-    "text_encoder": "model",
-}
+# Weight files each part may hold, the preferred first (diffusers / transformers names; the
+# ``fp16`` variant is what many SD 1.x folders on the Hub ship; ``.bin`` loads weights-only).
+_WEIGHT_FILES = {
+    "unet": ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin",
+             "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.fp16.bin"),
+    "vae": ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin",
+            "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.fp16.bin"),
+    "text_encoder": ("model.safetensors", "pytorch_model.bin"),
+}  # fmt: skip
 
 
 @dataclass
@@ -152,34 +156,31 @@ def load_model_folder(
 
 def _require_weights(path: Path, part: str) -> None:
     folder = path / part
-    stem = _WEIGHT_NAMES[part]
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path}: {part}/config.json is missing")
-    candidates = [f"{stem}.safetensors", f"{stem}.fp16.safetensors", f"{stem}.bin", f"{stem}.fp16.bin"]
-    if any((folder / name).is_file() for name in candidates):
-        return
-    if any(folder.glob(f"{stem}*.safetensors.index.json")) or any(folder.glob(f"{stem}*.bin.index.json")):
-        return  # sharded checkpoint
-    raise FileNotFoundError(f"model folder {path}: {part}/{stem}.safetensors is missing")
+    if _weights_file(path, part) is None and not any(folder.glob("*.index.json")):  # index: sharded
+        raise FileNotFoundError(f"model folder {path}: {part}/{_WEIGHT_FILES[part][0]} is missing")
 
 
-def _weights_file(path: Path, part: str) -> str:
-    stem = _WEIGHT_NAMES[part]
-    for name in (f"{stem}.safetensors", f"{stem}.bin"):
+def _weights_file(path: Path, part: str) -> str | None:
+    for name in _WEIGHT_FILES[part]:
         if (path / part / name).is_file():
             return f"{part}/{name}"
-    return f"{part}/{stem}.*"
+    return None
 
 
 def _load_diffusers_part(path: Path, part: str, class_name: str, dtype: torch.dtype) -> nn.Module:
     import diffusers
 
     cls = getattr(diffusers, class_name)
+    file = _weights_file(path, part)
+    # A folder with only the fp16 variant loads through diffusers' variant argument.
+    variant = "fp16" if file is not None and ".fp16." in file else None
     try:
-        return cls.from_pretrained(str(path / part), torch_dtype=dtype)
+        return cls.from_pretrained(str(path / part), torch_dtype=dtype, variant=variant)
     except Exception as err:  # diffusers raises many types (OSError, EnvironmentError, safetensors errors)
         raise ValueError(
-            f"model folder {path}: {_weights_file(path, part)} could not be loaded as {class_name} ({err})"
+            f"model folder {path}: {file or part + '/'} could not be loaded as {class_name} ({err})"
         ) from err
 
 
@@ -211,7 +212,7 @@ def _load_text_encoder(path: Path, knowledge: bool) -> KnowledgeTextEncoder:
         raise FileNotFoundError(f"model folder {path}: text encoder: {err}") from err
     except Exception as err:
         raise ValueError(
-            f"model folder {path}: {_weights_file(path, 'text_encoder')} (or tokenizer/, knowledge/) "
+            f"model folder {path}: {_weights_file(path, 'text_encoder') or 'text_encoder/'} (or tokenizer/, knowledge/) "
             f"could not be loaded ({err})"
         ) from err
 

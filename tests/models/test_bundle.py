@@ -162,3 +162,19 @@ def test_text_width_must_match_unet(taiyi):
     bundle.unet = UNet2DConditionModel(**{**unet_config("tiny"), "cross_attention_dim": 48})
     with pytest.raises(ValueError, match="outputs 32-wide states but the U-Net's cross_attention_dim is 48"):
         bundle.check()
+
+
+def test_hub_layouts_fp16_variant_and_bin_text_encoder(taiyi, tmp_path):
+    """Folders as many SD 1.x checkpoints ship: fp16-variant U-Net weights, a pytorch_model.bin text encoder."""
+    from safetensors.torch import load_file
+
+    def hub_layout(d):
+        (d / "unet/diffusion_pytorch_model.safetensors").rename(
+            d / "unet/diffusion_pytorch_model.fp16.safetensors"
+        )
+        torch.save(load_file(d / "text_encoder/model.safetensors"), d / "text_encoder/pytorch_model.bin")
+        (d / "text_encoder/model.safetensors").unlink()
+
+    hub = _broken_copy(taiyi, tmp_path / "hub", hub_layout)
+    expected = RapidDiffusionPipeline.from_pretrained(taiyi)(PROMPT, **GEN).images
+    np.testing.assert_array_equal(RapidDiffusionPipeline.from_pretrained(hub)(PROMPT, **GEN).images, expected)
