@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", type=Path, help="JSON result (default: RUN/metrics/clipscore.json)")
-    add_device_arguments(parser)
+    add_device_arguments(parser, dtype=False)  # features in float32, statistics in float64
 
 
 def run(args: argparse.Namespace) -> int:

@@ -156,8 +156,9 @@ def default_metric_path(folder: str | Path, metric: str) -> Path:
     return folder.parent / f"{folder.name}.{metric}.json"
 
 
-def add_device_arguments(parser: Any) -> None:
+def add_device_arguments(parser: Any, *, dtype: bool = True) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument(
-        "--dtype", default="auto", help="float32, float16, bfloat16 or auto (fp16 on CUDA, fp32 on CPU)"
-    )
+    if dtype:
+        parser.add_argument(
+            "--dtype", default="auto", help="float32, float16, bfloat16 or auto (fp16 on CUDA, fp32 on CPU)"
+        )

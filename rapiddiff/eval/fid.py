@@ -107,8 +107,8 @@ def compute_fid(
     batch_size: int = 50,
 ) -> dict[str, Any]:
     """FID between two image folders (or file lists) → a metric record (see ``metric_record``)."""
-    real_files = list(real) if isinstance(real, (list, tuple)) else list_images(real)
-    fake_files = list(fake) if isinstance(fake, (list, tuple)) else list_images(fake)
+    real_files = [Path(p) for p in real] if isinstance(real, (list, tuple)) else list_images(real)
+    fake_files = [Path(p) for p in fake] if isinstance(fake, (list, tuple)) else list_images(fake)
     for name, files in (("real", real_files), ("fake", fake_files)):
         if len(files) < 2:
             raise ValueError(f"FID needs at least 2 {name} images, got {len(files)}")
@@ -133,8 +133,8 @@ def compute_fid(
         "feature_dim": int(real_feats.shape[1]),
         "n_real": len(real_files),
         "n_fake": len(fake_files),
-        "real": str(real if not isinstance(real, (list, tuple)) else Path(real_files[0]).parent),
-        "fake": str(fake if not isinstance(fake, (list, tuple)) else Path(fake_files[0]).parent),
+        "real": str(real_files[0].parent),
+        "fake": str(fake_files[0].parent),
         **extractor.extra,
     }
     return metric_record("fid", extractor.label, value, details=details, warnings=warnings)
@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, help="JSON result (default: FAKE/metrics/fid.json for a run, else FAKE.fid.json)"
     )
-    add_device_arguments(parser)
+    add_device_arguments(parser, dtype=False)  # features in float32, statistics in float64
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,13 +243,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything that can fail without touching an image fails first: weights, folders, models.
     weights = resolve_inception_weights(args.inception_weights) if args.extractor == "inception" else None
+    if args.extractor == "clip" and args.clip_model is None:
+        raise ValueError("--extractor clip needs --clip-model DIR (a KnowledgeCLIP folder)")
     real_files, fake_files = list_images(args.real), list_images(args.fake)
     device = resolve_device(args.device)
     if args.extractor == "inception":
         extractor = inception_extractor(weights, device=device)
     else:
-        if args.clip_model is None:
-            raise ValueError("--extractor clip needs --clip-model DIR (a KnowledgeCLIP folder)")
         from rapiddiff.models.clip import KnowledgeCLIP
 
         clip = KnowledgeCLIP.from_pretrained(args.clip_model).to(device).eval()
