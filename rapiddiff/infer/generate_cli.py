@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -225,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     paths, images = _generate(pipe, prompts, kwargs, args, out)
     if len(images) > 1 and not args.no_grid:
         grid = out / f"{paths[0].name.split('-')[0]}-grid.png"
-        make_grid(images).save(grid)
+        with atomic_open(grid, "wb") as handle:
+            make_grid(images).save(handle, format="PNG")
         print(grid)
     return 0
 

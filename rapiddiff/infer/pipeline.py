@@ -347,7 +347,8 @@ class RapidDiffusionPipeline:
             "knowledge": bool(knowledge and getattr(self.text_encoder, "store", None) is not None),
             "upscale": bool(upscale),
             "model": self.model_name,
-            "model_path": str(self.model_path) if self.model_path is not None else None,
+            # Absolute, so `rapiddiff generate --from-png` finds the model from any folder.
+            "model_path": str(Path(self.model_path).resolve()) if self.model_path is not None else None,
         }
         if eta:
             settings["eta"] = eta

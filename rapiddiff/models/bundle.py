@@ -78,7 +78,7 @@ class ModelBundle:
         return self.path.name if self.path is not None else "model"
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ModelBundle:
-        """Move every part (in place); the upscaler keeps float32 unless ``dtype`` is half-safe for it."""
+        """Move every part to ``device``/``dtype`` (in place); returns the bundle."""
         for module in (self.unet, self.vae, self.text_encoder):
             module.to(device=device, dtype=dtype)
         if self.upscaler is not None:
