@@ -362,6 +362,15 @@ class FastSampler:
         return SimpleNamespace(images=images, seeds=list(seed), metadata=None)
 
 
+def _native_size(config: dict[str, Any]) -> int | None:
+    """The model's image size (U-Net sample size × VAE factor), read from its configs: the
+    reference images of ``--save-real`` are made at the size the model generates."""
+    try:
+        return int(config["unet"]["sample_size"]) * 2 ** (len(config["vae"]["block_out_channels"]) - 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def load_pipeline(model: str | Path, *, device: str = "auto", dtype: str = "auto", fast: bool = False) -> Any:
     """RapidDiffusionPipeline on the device; with ``fast``, behind the fast path."""
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
@@ -451,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
             args.dataset,
             limit=args.limit,
             real_dir=args.out / "real" if args.save_real else None,
-            image_size=args.height,
+            image_size=args.height or _native_size(model_config(args.model)),
         )
         source = str(args.dataset)
     settings = settings_from_args(args, knowledge=args.knowledge == "on")

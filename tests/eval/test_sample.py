@@ -134,10 +134,6 @@ def test_sample_from_dataset_captions_with_real_images(tmp_path, tiny_model):
             "--limit",
             "2",
             "--save-real",
-            "--height",
-            "16",
-            "--width",
-            "16",
             "--steps",
             "2",
             "--out",
@@ -150,5 +146,5 @@ def test_sample_from_dataset_captions_with_real_images(tmp_path, tiny_model):
     index = read_index(run)
     assert [r["prompt"] for r in index] == ["第0张图", "第1张图"]
     real = sorted((run / "real").glob("*.png"))
-    assert len(real) == 2 and Image.open(real[1]).size == (16, 16)
+    assert len(real) == 2 and Image.open(real[1]).size == (16, 16)  # the model's size: 8² latents, 2× VAE
     assert np.asarray(Image.open(real[1]))[8, 8, 2] > 150  # the second (blue) image, in order
