@@ -106,7 +106,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
             # Pillow warns about palette images with transparency; we handle it just below.
             warnings.simplefilter("ignore", UserWarning)
             image.load()
-            image = ImageOps.exif_transpose(image) or image
+            if image.getexif().get(0x0112, 1) != 1:  # no copy when there is nothing to turn
+                image = ImageOps.exif_transpose(image)
             if image.mode == "P" and "transparency" in image.info:
                 image = image.convert("RGBA")
     except Image.DecompressionBombError as err:

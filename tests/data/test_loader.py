@@ -304,3 +304,39 @@ def test_config_builds_the_dataset_and_errors_name_the_problem(folder, tmp_path)
         ImageTextDataset(tmp_path / "x.xlsx")
     with pytest.raises(BadImageError, match="missing file"):
         load_rgb("nope.png", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("shape", "crop"), [((40, 24), "center"), ((24, 40), "center"), ((16, 16), "center")]
+)
+def test_transform_matches_torchvision(shape, crop):
+    from torchvision import transforms
+
+    from rapiddiff.data.transforms import build_image_transform
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (*shape[::-1], 3), dtype=np.uint8))
+    reference = transforms.Compose(
+        [
+            transforms.Resize(SIZE, interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),
+            transforms.CenterCrop(SIZE),
+            transforms.ToTensor(),
+            transforms.Normalize([0.5], [0.5]),
+        ]
+    )
+    ours = build_image_transform(SIZE, crop=crop)(image)
+    assert ours.shape == (3, SIZE, SIZE) and ours.is_contiguous()
+    torch.testing.assert_close(ours, reference(image), atol=1e-5, rtol=0)
+
+
+def test_random_crop_and_flip_follow_torch_seed():
+    from rapiddiff.data.transforms import build_image_transform
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 255, (24, 48, 3), dtype=np.uint8))
+    transform = build_image_transform(SIZE, crop="random", hflip=True)
+    torch.manual_seed(3)
+    first = [transform(image) for _ in range(6)]
+    torch.manual_seed(3)
+    second = [transform(image) for _ in range(6)]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert len({tuple(t[0, 0, :4].tolist()) for t in first}) > 1  # crops/flips differ between draws
