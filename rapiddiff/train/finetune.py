@@ -1,0 +1,298 @@
+"""``rapiddiff train finetune``: adapt a pretrained model folder to a user's image–caption folder.
+
+The start is any model folder: a rapiddiff one, Taiyi (BERT text tower) or a plain SD 1.x folder.
+``mode: full`` trains the chosen parts outright and exports a new model folder. ``mode: lora``
+adds peft LoRA adapters to the U-Net's attention projections (and optionally the text tower's)
+and exports only those, in diffusers' format (``pytorch_lora_weights.safetensors``), as
+diffusers' train_text_to_image_lora.py does, so ``pipe.load_lora_weights(dir)`` reads them.
+``rapiddiff train finetune merge`` folds a LoRA into its base and writes a full model folder.
+
+    rapiddiff train finetune --config configs/finetune/lora.yaml --model.pretrained MODEL --data.train DATA
+    rapiddiff train finetune merge --base MODEL --lora runs/finetune/lora/model --out merged/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rapiddiff.train.common import OptimConfig, run_cli
+from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.speed import SpeedConfig
+from rapiddiff.train.unet import (
+    _EMA,
+    _LOSS,
+    _SAMPLING,
+    _SPEED,
+    DiffusionLoss,
+    EMAConfig,
+    LatentDiffusion,
+    SamplingConfig,
+    TrainableName,
+)
+from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+FUSION_FILE = "knowledge_fusion.safetensors"
+INFO_FILE = "rapiddiff_lora.json"
+# diffusers' text-encoder LoRA loader knows CLIP's projection names only (q_proj, ...); a BERT
+# tower's adapters (Taiyi) go to this peft-format file beside the diffusers one, and `merge` folds them.
+TEXT_LORA_FILE = "text_encoder_lora.safetensors"
+# Attention projections of the text towers a model folder can hold (peft matches name suffixes).
+TEXT_LORA_TARGETS = {
+    "bert": ("query", "key", "value"),
+    "roberta": ("query", "key", "value"),
+    "chinese_clip_text_model": ("query", "key", "value"),
+    "clip_text_model": ("q_proj", "k_proj", "v_proj", "out_proj"),
+}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (peft) for ``mode: lora``."""
+
+    rank: int = 8
+    """Rank of each adapter: 4–16 for a style or domain, 32–64 for many new concepts."""
+    alpha: float | None = None
+    """Scale numerator (alpha / rank); None = rank (scale 1), as diffusers' LoRA script does."""
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    """U-Net modules that get adapters: the attention projections."""
+    text_target_modules: tuple[str, ...] | None = None
+    """Text-tower modules (when ``trainable`` has text_encoder); None: the tower's q/k/v(/out)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+
+
+_LORA = LoraSettings()
+_FINETUNE_OPTIM = OptimConfig(lr=1e-4, warmup_steps=100)
+
+
+class FineTune(LatentDiffusion):
+    """Fine-tune a pretrained model folder, fully or with LoRA adapters.
+
+    Args:
+        pretrained: the model folder to start from (rapiddiff, Taiyi or SD 1.x diffusers layout).
+        mode: "full" (train the parts outright; export a model folder) or "lora" (adapters only;
+            export diffusers LoRA weights).
+        lora: adapter rank, alpha, dropout and target modules (mode lora).
+        trainable: parts to train: "unet", "text_encoder" (both get adapters in LoRA mode) and
+            "fusion" (the knowledge fusion, trained outright in either mode).
+        knowledge: a KnowledgeStore folder to attach when the start has none.
+        loss: prediction type, caption dropout, min-SNR, noise offset.
+        optim: AdamW and its learning-rate schedule.
+        ema: EMA of the trained weights; null = off (usual for LoRA).
+        sampling: validation prompts, seeds and sampler settings.
+        speed: gradient checkpointing, channels_last, torch.compile (fused QKV: full mode only).
+        cache_latents: encode every training image once at the start.
+        seed: seed for noise, timesteps and caption dropout.
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        mode: Literal["full", "lora"] = "lora",
+        lora: LoraSettings = _LORA,
+        trainable: Sequence[TrainableName] = ("unet",),
+        knowledge: str | None = None,
+        loss: DiffusionLoss = _LOSS,
+        optim: OptimConfig = _FINETUNE_OPTIM,
+        ema: EMAConfig | None = _EMA,
+        sampling: SamplingConfig = _SAMPLING,
+        speed: SpeedConfig = _SPEED,
+        cache_latents: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if mode == "lora" and speed.fuse_qkv:
+            raise ValueError(
+                "speed.fuse_qkv cannot be combined with mode: lora (the adapters sit on to_q/to_k/to_v)"
+            )
+        super().__init__(
+            pretrained=pretrained,
+            knowledge=knowledge,
+            trainable=trainable if mode == "full" else (),
+            loss=loss,
+            optim=optim,
+            ema=ema if mode == "full" else None,
+            sampling=sampling,
+            speed=speed,
+            cache_latents=cache_latents,
+            seed=seed,
+        )
+        self.mode, self.lora_cfg, self.pretrained = mode, lora, pretrained
+        if mode == "lora":
+            self._add_adapters(list(trainable), lora)
+            self.ema = self._make_ema(ema)
+            self.train()
+
+    def _add_adapters(self, trainable: list[str], cfg: LoraSettings) -> None:
+        from peft import LoraConfig
+
+        self._select_trainable(trainable)  # validates names; adapters replace the full parts below
+        self.requires_grad_(False)
+
+        def config(targets: Sequence[str]) -> LoraConfig:
+            return LoraConfig(
+                r=cfg.rank,
+                lora_alpha=cfg.alpha or cfg.rank,
+                lora_dropout=cfg.dropout,
+                init_lora_weights="gaussian",
+                target_modules=list(targets),
+            )
+
+        if "unet" in trainable:
+            self.unet.add_adapter(config(cfg.target_modules))
+        if "text_encoder" in trainable:
+            tower = self.text_encoder.text_model
+            targets = cfg.text_target_modules or TEXT_LORA_TARGETS.get(tower.config.model_type)
+            if not targets:
+                raise ValueError(
+                    f"no default LoRA targets for a {tower.config.model_type} text tower; set lora.text_target_modules"
+                )
+            tower.add_adapter(config(targets))
+        if "fusion" in trainable:
+            self._part("fusion").requires_grad_(True)
+        self.trained = trainable
+
+    def export(self, path: Path) -> Path:
+        """mode full: a model folder; mode lora: diffusers LoRA weights (+ fusion weights if trained)."""
+        if self.mode == "full":
+            return super().export(path)
+        from diffusers import StableDiffusionPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        if self.ema is not None:
+            self.ema.copy_to(self.trainable_parameters())
+        layers: dict[str, Any] = {}
+        if "unet" in self.trained:
+            layers["unet_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
+        text_state = None
+        if "text_encoder" in self.trained:
+            tower = self.text_encoder.text_model
+            text_state = get_peft_model_state_dict(tower)
+            if tower.config.model_type == "clip_text_model":
+                layers["text_encoder_lora_layers"] = convert_state_dict_to_diffusers(text_state)
+                text_state = None
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            if layers:
+                StableDiffusionPipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
+            if text_state is not None:
+                save_safetensors(text_state, tmp / TEXT_LORA_FILE)
+            if "fusion" in self.trained:
+                save_safetensors(self._part("fusion").state_dict(), tmp / FUSION_FILE)
+            info = {
+                "base": str(self.pretrained),
+                "parts": self.trained,
+                "lora": asdict(self.lora_cfg),
+                "scale": (self.lora_cfg.alpha or self.lora_cfg.rank) / self.lora_cfg.rank,
+            }
+            atomic_write_text(tmp / INFO_FILE, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+
+def merge_lora(base: str | Path, lora: str | Path, out: str | Path, scale: float = 1.0) -> Path:
+    """Fold LoRA weights (diffusers format) into ``base`` and write a full model folder to ``out``.
+
+    diffusers' own loader reads the adapters (``load_lora_weights`` + ``fuse_lora``); the fused
+    U-Net and text tower then replace those of the rapiddiff bundle, so the base folder's
+    knowledge/ and upscaler/ carry over.
+    """
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from rapiddiff.models.bundle import load_model_folder, save_model_folder
+
+    base, lora = Path(base), Path(lora)
+    if not (lora / "pytorch_lora_weights.safetensors").is_file() and not (lora / FUSION_FILE).is_file():
+        raise FileNotFoundError(
+            f"{lora}: no pytorch_lora_weights.safetensors; expected a `train finetune` LoRA output"
+        )
+    bundle = load_model_folder(base)
+    if (lora / "pytorch_lora_weights.safetensors").is_file():
+        pipe = StableDiffusionPipeline.from_pretrained(
+            str(base), safety_checker=None, requires_safety_checker=False, dtype=torch.float32
+        )
+        pipe.load_lora_weights(str(lora))
+        pipe.fuse_lora(lora_scale=scale)
+        pipe.unload_lora_weights()
+        bundle.unet.load_state_dict(pipe.unet.state_dict())
+        weights = load_weights(lora / "pytorch_lora_weights.safetensors")
+        if any(k.startswith("text_encoder.") for k in weights):
+            bundle.text_encoder.text_model.load_state_dict(pipe.text_encoder.state_dict())
+    if (lora / TEXT_LORA_FILE).is_file():
+        info = json.loads((lora / INFO_FILE).read_text(encoding="utf-8"))
+        _fold_peft_lora(
+            bundle.text_encoder.text_model, load_weights(lora / TEXT_LORA_FILE), info["scale"] * scale
+        )
+    if (lora / FUSION_FILE).is_file():
+        if bundle.text_encoder.fusion is None:
+            raise ValueError(f"{lora}: holds knowledge-fusion weights but {base} has no knowledge/ folder")
+        bundle.text_encoder.fusion.load_state_dict(load_weights(lora / FUSION_FILE))
+    return save_model_folder(bundle, out)
+
+
+def _fold_peft_lora(model: Any, state: dict[str, Any], scale: float) -> None:
+    """W ← W + scale · B·A for every ``<module>.lora_A.weight`` / ``lora_B.weight`` pair (peft names)."""
+    import torch
+
+    with torch.no_grad():
+        for key, down in state.items():
+            if not key.endswith(".lora_A.weight"):
+                continue
+            name = key.removesuffix(".lora_A.weight")
+            up = state[f"{name}.lora_B.weight"]
+            layer = model.get_submodule(name)
+            layer.weight += scale * (up.float() @ down.float()).to(layer.weight.dtype)
+
+
+def _merge_main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="rapiddiff train finetune merge",
+        description="Fold LoRA weights into their base model and write a full model folder.",
+    )
+    parser.add_argument("--base", required=True, help="the model folder the LoRA was trained on")
+    parser.add_argument(
+        "--lora", required=True, help="the LoRA output folder (pytorch_lora_weights.safetensors)"
+    )
+    parser.add_argument("--out", required=True, help="where to write the merged model folder")
+    parser.add_argument("--scale", type=float, default=1.0, help="LoRA strength (1.0 = as trained)")
+    ns = parser.parse_args(args)
+    path = merge_lora(ns.base, ns.lora, ns.out, ns.scale)
+    print(f"merged model folder: {path}")
+
+
+def cli_main(args: list[str] | None = None) -> None:
+    """``rapiddiff train finetune [merge]``: LightningCLI over FineTune + ImageTextData."""
+    if args and args[0] == "merge":
+        _merge_main(args[1:])
+        return
+    run_cli(
+        FineTune,
+        ImageTextData,
+        args,
+        description=(
+            "Fine-tune a model folder (rapiddiff, Taiyi, SD 1.x) on an image–caption folder, fully or "
+            "with LoRA. `rapiddiff train finetune merge --help` folds a LoRA into its base."
+        ),
+    )
