@@ -109,6 +109,16 @@ def _detect_one(
     }
 
 
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion, in percent: honest at small n and at 0 or 100 %."""
+    if n == 0:
+        return (0.0, 100.0)
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return (round(100 * max(0.0, centre - half), 2), round(100 * min(1.0, centre + half), 2))
+
+
 def accuracy_table(records_by_mode: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Rows (split, knowledge, n, colour, shape, both) in percent, plus per-entity counts."""
     rows = []
@@ -128,6 +138,7 @@ def accuracy_table(records_by_mode: dict[str, list[dict[str, Any]]]) -> list[dic
                     "colour": 100.0 * sum(r["colour_ok"] for r in subset) / n,
                     "shape": 100.0 * sum(r["shape_ok"] for r in subset) / n,
                     "both": 100.0 * sum(r["both_ok"] for r in subset) / n,
+                    "both_ci95": wilson_interval(sum(r["both_ok"] for r in subset), n),
                     "no_object": sum(r["detected_colour"] is None for r in subset),
                 }
             )
@@ -153,13 +164,14 @@ def per_entity(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, di
 def markdown_table(rows: Sequence[dict[str, Any]], chance: dict[str, float] | None = None) -> str:
     """The table as markdown (BENCHMARKS.md), with the chance level under it when given."""
     lines = [
-        "| entities | knowledge | images | colour acc. % | shape acc. % | both % |",
-        "|---|---|---:|---:|---:|---:|",
+        "| entities | knowledge | images | colour acc. % | shape acc. % | both % | both, 95 % CI |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['split']} ({r['entities']}) | {r['knowledge']} | {r['images']} | "
-            f"{r['colour']:.1f} | {r['shape']:.1f} | {r['both']:.1f} |"
+            f"{r['colour']:.1f} | {r['shape']:.1f} | {r['both']:.1f} | "
+            f"{r['both_ci95'][0]:.1f}–{r['both_ci95'][1]:.1f} |"
         )
     if chance:
         lines.append(

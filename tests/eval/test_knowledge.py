@@ -67,7 +67,7 @@ def test_accuracy_table_with_the_real_detector(tmp_path):
     saved = json.loads((tmp_path / "run" / "metrics" / "knowledge.json").read_text())
     assert saved["table"] == record["table"]
     md = (tmp_path / "run" / "knowledge.md").read_text()
-    assert md.startswith("| entities |") and "| heldout (2) | off | 4 | 100.0 | 0.0 | 0.0 |" in md
+    assert md.startswith("| entities |") and "| heldout (2) | off | 4 | 100.0 | 0.0 | 0.0 | 0.0–49.0 |" in md
     detections = (tmp_path / "run" / "knowledge_off" / "detections.jsonl").read_text().splitlines()
     assert len(detections) == 8 and json.loads(detections[-1])["shape_ok"] is False
 
@@ -196,3 +196,12 @@ def test_knowledge_switch_reaches_the_encoder_on_both_paths(tmp_path, knowledge_
         got = np.asarray(fast(prompt, knowledge=knowledge, **kw).images[0], float)
         np.testing.assert_allclose(got, want, atol=1)
     assert pipe.text_encoder.knowledge is True  # the switch is restored after the call
+
+
+def test_wilson_interval():
+    from rapiddiff.eval.knowledge import wilson_interval
+
+    # Reference values (Wilson 1927; e.g. statsmodels proportion_confint(method="wilson")).
+    assert wilson_interval(0, 4) == (0.0, 48.99)
+    assert wilson_interval(50, 100) == (40.38, 59.62)
+    assert wilson_interval(10, 10)[1] == 100.0
