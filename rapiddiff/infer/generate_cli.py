@@ -214,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
+    from rapiddiff.infer.png import make_readable
 
     log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
     pipe = RapidDiffusionPipeline.from_pretrained(
@@ -228,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         grid = out / f"{paths[0].name.split('-')[0]}-grid.png"
         with atomic_open(grid, "wb") as handle:
             make_grid(images).save(handle, format="PNG")
+        make_readable(grid)
         print(grid)
     return 0
 

@@ -9,6 +9,7 @@ which :func:`read_png_metadata` prefers. :func:`generation_kwargs` turns what wa
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,15 @@ def save_png(image: Image.Image, path: str | Path, metadata: dict[str, Any]) -> 
     path = Path(path)
     with atomic_open(path, "wb") as handle:
         image.save(handle, format="PNG", pnginfo=info)
+    make_readable(path)
     return path
+
+
+def make_readable(path: Path) -> None:
+    """Give the file the mode a plain ``open(..., "w")`` would (atomic writes start as 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def read_png_metadata(path: str | Path) -> dict[str, Any]:
