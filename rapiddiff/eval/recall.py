@@ -204,7 +204,11 @@ def evaluate_folder(
         ]
     queries = None
     if entities is not None:
-        queries = [i for i, c in enumerate(unique) if any(name in c for name in entities)]
+        wanted = set(entities)
+        tagged = _caption_entities(Path(data))
+        queries = [
+            i for i, c in enumerate(unique) if tagged.get(c) in wanted or any(name in c for name in entities)
+        ]
         if not queries:
             raise ValueError(f"no caption in {data} mentions any of the {len(entities)} given entities")
     report = retrieval_report(
@@ -215,6 +219,23 @@ def evaluate_folder(
     )
     report.update(model=str(model_dir), data=str(data), knowledge=knowledge, entities=list(entities or []))
     return report
+
+
+def _caption_entities(data: Path) -> dict[str, str]:
+    """caption → entity from an imagefolder's metadata.jsonl ``entity`` field (kshapes writes it), so
+    captions that use an alias (车厘子 for 樱桃) still count as mentions; {} when there is none."""
+    import json
+
+    meta = data / "metadata.jsonl" if data.is_dir() else None
+    if meta is None or not meta.is_file():
+        return {}
+    out = {}
+    for line in meta.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if isinstance(row.get("entity"), str) and isinstance(row.get("text"), str):
+                out[row["text"]] = row["entity"]
+    return out
 
 
 def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:

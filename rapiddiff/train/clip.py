@@ -3,8 +3,10 @@
 The story of one step: captions are tokenized and entity-linked (in the main process, before
 the batch moves to the device); entity mentions are sometimes hidden (see below); text and image
 features are computed; gathered across GPUs; symmetric InfoNCE. At the end of fit the model is
-written with ``KnowledgeCLIP.save_pretrained`` to ``model.output_dir`` (default
-``<log dir>/model``), where ``rapiddiff eval recall`` and the U-Net stage read it.
+written with ``KnowledgeCLIP.save_pretrained`` to ``--output`` (default
+``<trainer.default_root_dir>/model``), where ``rapiddiff eval recall`` and the U-Net stage read it.
+The plumbing (seeded resumable data order, rolling checkpoints, Ctrl-C save, export) is the one
+every stage shares: :func:`rapiddiff.train.common.run_cli`.
 
 Entity-token dropout (knowledge on only): with probability ``entity_token_dropout`` an entity
 mention's tokens are replaced — half the time by [MASK], half by random vocabulary tokens — while
@@ -13,7 +15,7 @@ and ignores the KG; hiding the name makes it learn to read the injected knowledg
 only thing a held-out entity (a name never seen in training, i.e. untrained tokens) brings.
 
 Run: ``rapiddiff train clip --config configs/clip/kshapes.yaml [--trainer.max_steps=...]``;
-``--ckpt_path=last`` (or a file) resumes exactly, and the resolved config is saved beside the logs.
+``--ckpt_path=last`` (or a file) resumes exactly; the resolved config is saved beside the checkpoints.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import LightningCLI
 
 from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
+from rapiddiff.train.common import RapidModule, ensure_finite, run_cli
+from rapiddiff.train.data import ImageTextData
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -81,7 +83,7 @@ def build_clip(
     return KnowledgeCLIP.build(text, image_tower, image_size=image_size, embed_dim=embed_dim, pooling=pooling)
 
 
-class CLIPTraining(pl.LightningModule):
+class CLIPTraining(RapidModule):
     """Contrastive training of a KnowledgeCLIP.
 
     Args:
@@ -103,7 +105,6 @@ class CLIPTraining(pl.LightningModule):
         fusion_lr: learning rate of the fusion module and gates (default: lr).
         weight_decay: AdamW weight decay (not on biases, norms, gates, temperature).
         warmup_steps: linear warm-up, then cosine decay to zero over the run.
-        output_dir: where the final model is saved (default: ``<log dir>/model``).
     """
 
     def __init__(
@@ -126,7 +127,6 @@ class CLIPTraining(pl.LightningModule):
         fusion_lr: float | None = None,
         weight_decay: float = 0.05,
         warmup_steps: int = 200,
-        output_dir: str | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= entity_token_dropout <= 1.0:
@@ -150,18 +150,31 @@ class CLIPTraining(pl.LightningModule):
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:
         m = self.model
+        frozen: list[torch.nn.Module] = []
         if freeze == "image":
-            for p in [*m.image_tower.parameters(), *m.visual_projection.parameters()]:
-                p.requires_grad_(False)
+            frozen = [m.image_tower, m.visual_projection]
         elif freeze == "text":
-            for p in m.text_encoder.text_model.parameters():
-                p.requires_grad_(False)
+            frozen = [m.text_encoder.text_model]
         elif freeze == "all_but_fusion":
             if m.text_encoder.fusion is None:
                 raise ValueError("freeze=all_but_fusion needs a knowledge_store: there is no fusion to train")
-            fusion = {id(p) for p in m.text_encoder.fusion.parameters()}
-            for p in m.parameters():
-                p.requires_grad_(id(p) in fusion)
+            frozen = [c for c in m.children() if c is not m.text_encoder]
+            frozen += [c for c in m.text_encoder.children() if c is not m.text_encoder.fusion]
+            m.logit_scale.requires_grad_(False)
+        for module in frozen:
+            module.requires_grad_(False)
+        self._frozen = frozen
+
+    def train(self, mode: bool = True) -> CLIPTraining:
+        # Frozen parts stay in eval mode: no dropout, and BatchNorm statistics stay as loaded.
+        super().train(mode)
+        for module in getattr(self, "_frozen", []):
+            module.eval()
+        return self
+
+    def export(self, path: Path) -> Path:
+        self.model.save_pretrained(path)
+        return path
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -232,6 +245,7 @@ class CLIPTraining(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         text, image = self._features(batch, train=True)
         loss = self.model.contrastive_loss(text, image)
+        ensure_finite(loss, self.trainer)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(text))
         self.log("train/logit_scale", self.model.logit_scale.exp(), batch_size=len(text))
         fusion = self.model.text_encoder.fusion
@@ -248,106 +262,7 @@ class CLIPTraining(pl.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=len(text))
         self.log("val/t2i_acc", acc, sync_dist=True, batch_size=len(text))
 
-    def on_train_end(self) -> None:
-        out = self.hparams.output_dir or str(
-            Path(self.trainer.log_dir or self.trainer.default_root_dir) / "model"
-        )
-        if self.trainer.is_global_zero:
-            self.model.save_pretrained(out)
-            log.info("saved the trained KnowledgeCLIP to %s", out)
-        self.trainer.strategy.barrier()
-
-
-class ImageTextDataModule(pl.LightningDataModule):
-    """Image–caption pairs through ``rapiddiff.data.loader.ImageTextDataset``.
-
-    Args:
-        train: training data (imagefolder with metadata.jsonl, or CSV/TSV/JSONL/parquet).
-        val: validation data, or None.
-        image_size: images are loaded at this size (the model resizes to its own anyway).
-        batch_size: pairs per step per device (the contrastive batch is this × devices).
-        num_workers: DataLoader processes.
-        image_column: the image column of tabular data.
-        text_column: the caption column.
-    """
-
-    def __init__(
-        self,
-        train: str,
-        val: str | None = None,
-        image_size: int = 128,
-        batch_size: int = 64,
-        num_workers: int = 2,
-        image_column: str = "image",
-        text_column: str = "text",
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.datasets: dict[str, Any] = {}
-
-    def setup(self, stage: str) -> None:
-        hp = self.hparams
-        for split in ("train", "val"):
-            source = hp[split]
-            if source and split not in self.datasets:
-                self.datasets[split] = load_dataset(
-                    source, image_size=hp.image_size, image_column=hp.image_column, text_column=hp.text_column
-                )
-
-    def _loader(self, split: str, shuffle: bool) -> torch.utils.data.DataLoader:
-        hp = self.hparams
-        return torch.utils.data.DataLoader(
-            self.datasets[split],
-            batch_size=hp.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,  # a last tiny batch is a weak contrastive batch
-            num_workers=hp.num_workers,
-            persistent_workers=hp.num_workers > 0,
-            collate_fn=collate,
-        )
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> Any:
-        return self._loader("val", shuffle=False) if "val" in self.datasets else []
-
-
-def load_dataset(source: str, **kwargs: Any) -> torch.utils.data.Dataset:
-    from rapiddiff.data.loader import ImageTextDataset
-
-    return ImageTextDataset(source, **kwargs)
-
-
-def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "pixel_values": torch.stack([it["pixel_values"] for it in items]),
-        "text": [it["text"] for it in items],
-        "index": torch.tensor([it["index"] for it in items]),
-    }
-
-
-class CLIPCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument(
-            "--ckpt_path",
-            type=str | None,
-            default=None,
-            help="resume exactly from this checkpoint ('last' for the latest)",
-        )
-        parser.link_arguments("model.image_size", "data.image_size")
-
 
 def cli_main(args: list[str] | None = None) -> None:
     """Run ``rapiddiff train clip`` with ``args`` (``--config FILE``, overrides, ``--help``)."""
-    cli = CLIPCLI(
-        CLIPTraining,
-        ImageTextDataModule,
-        args=args,
-        run=False,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,  # configure_optimizers defines them (param groups)
-        parser_kwargs={"prog": "rapiddiff train clip", "description": __doc__.split("\n\n")[0]},
-    )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    run_cli(CLIPTraining, ImageTextData, args, description=__doc__.split("\n\n")[0])

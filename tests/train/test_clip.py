@@ -11,6 +11,8 @@ import yaml
 
 from rapiddiff.kg.store import KnowledgeStore
 from rapiddiff.train import clip as clip_train
+from rapiddiff.train.common import RapidCLI
+from rapiddiff.train.data import ImageTextData
 
 REPO = Path(__file__).resolve().parents[2]
 COLOURS = {"红色": (215, 35, 35), "黄色": (245, 215, 35), "蓝色": (30, 90, 225), "绿色": (40, 160, 60)}
@@ -37,33 +39,8 @@ def _write_imagefolder(folder: Path) -> None:
     )
 
 
-class _StandInDataset(torch.utils.data.Dataset):
-    """The loader contract (pixel_values in [-1, 1], text, index), used until rapiddiff.data.loader lands."""
-
-    def __init__(self, source, *, image_size, **_):
-        from PIL import Image
-
-        folder = Path(source)
-        rows = [json.loads(ln) for ln in (folder / "metadata.jsonl").read_text("utf-8").splitlines()]
-        self.items = []
-        for i, r in enumerate(rows):
-            img = Image.open(folder / r["file_name"]).convert("RGB").resize((image_size, image_size))
-            x = torch.tensor(list(img.getdata()), dtype=torch.float32).view(image_size, image_size, 3)
-            self.items.append({"pixel_values": x.permute(2, 0, 1) / 127.5 - 1, "text": r["text"], "index": i})
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
 @pytest.fixture
 def tiny_setup(tmp_path, monkeypatch):
-    try:
-        import rapiddiff.data.loader  # noqa: F401
-    except ImportError:
-        monkeypatch.setattr(clip_train, "load_dataset", lambda source, **kw: _StandInDataset(source, **kw))
     _write_imagefolder(tmp_path / "data")
     names = ["番茄", "红色", "黄色", "蓝色", "绿色", "方形"]
     g = torch.Generator().manual_seed(0)
@@ -83,7 +60,8 @@ def _config(tmp: Path, max_steps: int) -> Path:
     cfg["trainer"].update(
         accelerator="cpu", precision="32-true", max_steps=max_steps, val_check_interval=2, log_every_n_steps=1
     )
-    cfg["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
+    cfg["checkpoint"]["every_n_train_steps"] = 2
+    cfg["output"] = str(tmp / "model")
     cfg["model"].update(
         text_tower="tiny",
         max_length=16,
@@ -91,10 +69,11 @@ def _config(tmp: Path, max_steps: int) -> Path:
         image_size=32,
         embed_dim=16,
         knowledge_store=str(tmp / "store"),
-        output_dir=str(tmp / "model"),
         warmup_steps=1,
     )
-    cfg["data"].update(train=str(tmp / "data"), val=str(tmp / "data"), batch_size=4, num_workers=0)
+    cfg["data"].update(
+        train=str(tmp / "data"), val=str(tmp / "data"), image_size=32, batch_size=4, num_workers=0
+    )
     path = tmp / "clip.yaml"
     path.write_text(yaml.safe_dump(cfg, allow_unicode=True), "utf-8")
     return path
@@ -108,16 +87,15 @@ def test_train_clip_from_shipped_config_writes_a_loadable_model_and_resumes(tiny
     model = KnowledgeCLIP.from_pretrained(tmp / "model")
     assert model.text_encoder.has_knowledge and model.image_size == 32
     assert float(model.text_encoder.fusion.gates.detach().abs().sum()) > 0  # fusion trained
-    assert list(tmp.glob("runs/clip/kshapes/**/config.yaml")), "resolved config not saved beside the logs"
-    metrics = (next(tmp.glob("runs/clip/kshapes/csv/version_0/metrics.csv"))).read_text()
+    assert (tmp / "runs/clip/kshapes/checkpoints/config.yaml").is_file(), (
+        "resolved config not beside checkpoints"
+    )
+    metrics = next(tmp.glob("runs/clip/kshapes/csv/version_0/metrics.csv")).read_text()
     assert "train/loss" in metrics and "val/loss" in metrics
-    last = next(tmp.glob("runs/clip/kshapes/**/checkpoints/last.ckpt"))
+    last = tmp / "runs/clip/kshapes/checkpoints/last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4
     # exact resume: continue from the checkpoint to step 6
-    clip_train.cli_main(["--config", str(_config(tmp, max_steps=6)), "--ckpt_path", str(last)])
-    last = sorted(tmp.glob("runs/clip/kshapes/**/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime)[
-        -1
-    ]
+    clip_train.cli_main(["--config", str(_config(tmp, max_steps=6)), "--ckpt_path", "last"])
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6
 
 
@@ -138,7 +116,7 @@ def test_entity_tokens_are_hidden_whole_mentions_at_a_time(tiny_setup):
     )
 
 
-class _ParseOnly(clip_train.CLIPCLI):
+class _ParseOnly(RapidCLI):
     def instantiate_classes(self) -> None:  # parse and type-check the YAML, build nothing
         pass
 
@@ -146,7 +124,7 @@ class _ParseOnly(clip_train.CLIPCLI):
 @pytest.mark.parametrize("path", sorted((REPO / "configs/clip").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_clip_config_parses(path):
     cli = _ParseOnly(
-        clip_train.CLIPTraining, clip_train.ImageTextDataModule, args=["--config", str(path)], run=False,
+        clip_train.CLIPTraining, ImageTextData, args=["--config", str(path)], run=False,
         auto_configure_optimizers=False,
     )  # fmt: skip
     assert cli.config.model.lr > 0 and cli.config.data.train
