@@ -138,7 +138,7 @@ def accuracy_table(records_by_mode: dict[str, list[dict[str, Any]]]) -> list[dic
                     "colour": 100.0 * sum(r["colour_ok"] for r in subset) / n,
                     "shape": 100.0 * sum(r["shape_ok"] for r in subset) / n,
                     "both": 100.0 * sum(r["both_ok"] for r in subset) / n,
-                    "both_ci95": wilson_interval(sum(r["both_ok"] for r in subset), n),
+                    "both_ci95": list(wilson_interval(sum(r["both_ok"] for r in subset), n)),  # JSON-shaped
                     "no_object": sum(r["detected_colour"] is None for r in subset),
                 }
             )
