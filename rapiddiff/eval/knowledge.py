@@ -110,7 +110,11 @@ def _detect_one(
 
 
 def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of a proportion, in percent: honest at small n and at 0 or 100 %."""
+    """95 % Wilson score interval of a proportion, in percent: honest at small n and at 0 or 100 %.
+
+    It treats images as independent; images of one entity are not quite (the model knows an
+    entity or it does not), so read it as the least uncertainty there is; ``per_entity`` in the
+    JSON shows how the hits spread over entities."""
     if n == 0:
         return (0.0, 100.0)
     p = hits / n
