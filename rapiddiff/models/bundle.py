@@ -259,7 +259,7 @@ def save_model_folder(bundle: ModelBundle, path: str | Path) -> Path:
         }
         atomic_write_text(tmp / "model_index.json", json.dumps(index, indent=2) + "\n")
         atomic_write_text(tmp / RAPIDDIFF_FILE, json.dumps(extras, indent=2, ensure_ascii=False) + "\n")
-        _replace_dir(tmp, path)
+        _install(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -267,16 +267,38 @@ def save_model_folder(bundle: ModelBundle, path: str | Path) -> Path:
     return path
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+# What save_model_folder writes into a folder; anything else already there (notes, samples, logs)
+# is left alone, and a part the new bundle lacks (e.g. knowledge/) is removed, never left stale.
+_MANAGED = (
+    "model_index.json", RAPIDDIFF_FILE, "unet", "vae", "scheduler", "text_encoder", "tokenizer", "knowledge", "upscaler",
+)  # fmt: skip
+
+
+def _install(new: Path, target: Path) -> None:
+    """Move the parts written in ``new`` into ``target``; the old parts are deleted only at the end."""
     if not target.exists():
         os.replace(new, target)
         return
     if not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a folder")
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, old)
-    os.replace(new, target)
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    moved: list[str] = []
+    try:
+        for name in _MANAGED:
+            if (target / name).exists():
+                os.replace(target / name, old / name)
+                moved.append(name)
+        for child in new.iterdir():
+            os.replace(child, target / child.name)
+    except BaseException:
+        for name in moved:  # put the previous model back
+            if (target / name).exists():
+                shutil.rmtree(target / name) if (target / name).is_dir() else (target / name).unlink()
+            os.replace(old / name, target / name)
+        shutil.rmtree(old, ignore_errors=True)
+        raise
     shutil.rmtree(old, ignore_errors=True)
+    new.rmdir()
 
 
 def read_rapiddiff_info(path: str | Path) -> dict[str, Any]:

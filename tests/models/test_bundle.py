@@ -96,11 +96,19 @@ def test_diffusers_loads_the_saved_folder(saved):
 def test_resave_over_an_existing_folder(saved, tmp_path):
     path, images = saved
     target = shutil.copytree(path, tmp_path / "copy")
+    (target / "NOTES.md").write_text("mine")
     save_model_folder(load_model_folder(path), target)
     np.testing.assert_array_equal(
         RapidDiffusionPipeline.from_pretrained(target)(PROMPT, **GEN).images, images
     )
     assert not list(tmp_path.glob(".copy*"))  # no temporary folders left behind
+    assert (target / "NOTES.md").read_text() == "mine"  # files that are not model parts stay
+    # A bundle without knowledge or upscaler leaves none of the old ones behind.
+    plain = load_model_folder(path, load_upscaler=False)
+    plain.text_encoder.store = plain.text_encoder.fusion = None
+    save_model_folder(plain, target)
+    assert not (target / "knowledge").exists() and not (target / "upscaler").exists()
+    assert read_rapiddiff_info(target).keys() == {"rapiddiff_version"}
 
 
 def _broken_copy(src, dst, mutate):
