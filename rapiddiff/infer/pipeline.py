@@ -278,14 +278,18 @@ class RapidDiffusionPipeline:
         return (images / 2 + 0.5).clamp(0, 1).float()
 
     def upscale(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [N, 3, H, W] in [0, 1] → ×scale through ``self.upscaler`` (tiled)."""
         from rapiddiff.models.upscaler import upscale
 
+        self._require_upscaler()
+        return upscale(self.upscaler, images, tile=self.upscale_tile).float()
+
+    def _require_upscaler(self) -> None:
         if self.upscaler is None:
             raise ValueError(
                 "upscale requested but this model has no upscaler/ folder; pass an upscaler weights "
                 "file (--upscaler PATH) or turn upscaling off (--no-upscale)"
             )
-        return upscale(self.upscaler, images, tile=self.upscale_tile).float()
 
     # ------------------------------------------------------------------ the whole run
     def __call__(
@@ -322,6 +326,8 @@ class RapidDiffusionPipeline:
             raise ValueError(f"num_images_per_prompt must be ≥ 1, got {num_images_per_prompt}")
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"unknown output_type '{output_type}'; choose pil, np, pt or latent")
+        if upscale:
+            self._require_upscaler()  # before any sampling is done
         for p in prompts:
             if not p.strip():
                 log.warning("empty prompt: the image is generated unconditionally (from noise alone)")
