@@ -8,7 +8,6 @@ Image–caption data comes from :class:`rapiddiff.data.loader.ImageTextDataset` 
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -23,35 +22,10 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def open_image_text_dataset(source: str | Path, image_size: int, **options: Any) -> Dataset:
-    """The data helper's ImageTextDataset; a minimal imagefolder reader until that module lands."""
-    try:
-        from rapiddiff.data.loader import ImageTextDataset
-    except ImportError:
-        return _ImageFolderStandIn(source, image_size)
+    """The data stage's ImageTextDataset (imagefolder + metadata.jsonl, or a table file)."""
+    from rapiddiff.data.loader import ImageTextDataset
+
     return ImageTextDataset(source, image_size=image_size, **options)
-
-
-class _ImageFolderStandIn(Dataset):
-    """Stand-in for ImageTextDataset (imagefolder + metadata.jsonl only; resize + centre crop)."""
-
-    def __init__(self, source: str | Path, image_size: int) -> None:
-        self.root = Path(source)
-        meta = self.root / "metadata.jsonl"
-        if not meta.is_file():
-            raise FileNotFoundError(
-                f"{meta}: missing; an image folder needs metadata.jsonl (file_name, text)"
-            )
-        rows = [json.loads(line) for line in meta.read_text(encoding="utf-8").splitlines() if line.strip()]
-        self.rows = [(self.root / r["file_name"], str(r.get("text", ""))) for r in rows]
-        self.image_size = image_size
-        self.skipped: list[tuple[Any, str]] = []
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        path, text = self.rows[index]
-        return {"pixel_values": load_image(path, self.image_size), "text": text, "index": index}
 
 
 def load_image(path: Path, size: int | None = None) -> torch.Tensor:
@@ -81,7 +55,9 @@ class ImageTextData(pl.LightningDataModule):
         batch_size: per process (the global batch is this × devices × gradient accumulation).
         num_workers: DataLoader worker processes.
         seed: seed of the data order (epoch e shuffles with seed + e).
-        dataset_options: extra keyword arguments for ImageTextDataset (columns, flips, ...).
+        dataset_options: extra keyword arguments for ImageTextDataset (image_column, text_column,
+            crop, hflip, verify, ...). Random crops and flips draw from torch's RNG in the
+            loader workers, so a resumed run reproduces the data order but not those draws.
     """
 
     def __init__(

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rapiddiff.train.common import OptimConfig, run_cli
+from rapiddiff.train.common import OptimConfig, RapidCLI, run_cli
 from rapiddiff.train.data import ImageTextData
 from rapiddiff.train.speed import SpeedConfig
 from rapiddiff.train.unet import (
@@ -282,12 +282,12 @@ def _merge_main(args: list[str]) -> None:
     print(f"merged model folder: {path}")
 
 
-def cli_main(args: list[str] | None = None) -> None:
+def cli_main(args: list[str] | None = None) -> RapidCLI | None:
     """``rapiddiff train finetune [merge]``: LightningCLI over FineTune + ImageTextData."""
     if args and args[0] == "merge":
         _merge_main(args[1:])
-        return
-    run_cli(
+        return None
+    return run_cli(
         FineTune,
         ImageTextData,
         args,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapiddiff.train.common import OptimConfig, RapidModule, configure_adamw, ensure_finite, run_cli
+from rapiddiff.train.common import OptimConfig, RapidCLI, RapidModule, configure_adamw, ensure_finite, run_cli
 from rapiddiff.train.data import ImageTextData
 from rapiddiff.train.speed import SpeedConfig, apply_speedups, unfuse_for_saving
 from rapiddiff.utils.logging import get_logger
@@ -550,9 +550,9 @@ def load_components(
     return parts
 
 
-def cli_main(args: list[str] | None = None) -> None:
+def cli_main(args: list[str] | None = None) -> RapidCLI:
     """``rapiddiff train unet``: LightningCLI over LatentDiffusion + ImageTextData."""
-    run_cli(
+    return run_cli(
         LatentDiffusion,
         ImageTextData,
         args,
