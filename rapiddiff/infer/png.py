@@ -39,6 +39,8 @@ def save_png(image: Image.Image, path: str | Path, metadata: dict[str, Any]) -> 
         text = json.dumps(value) if isinstance(value, bool) else str(value)
         info.add_itxt(key, text)
     info.add_itxt(JSON_KEY, json.dumps(meta, ensure_ascii=False, sort_keys=True))
+    if "prompt" in meta and "seed" in meta:
+        info.add_itxt("parameters", _webui_parameters(meta))
     path = Path(path)
     with atomic_open(path, "wb") as handle:
         image.save(handle, format="PNG", pnginfo=info)
@@ -51,6 +53,23 @@ def make_readable(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def _webui_parameters(meta: dict[str, Any]) -> str:
+    """The one-chunk summary that Stable Diffusion web UIs write, so their PNG readers show ours too."""
+    fields = [
+        ("Steps", meta.get("steps")),
+        ("Sampler", meta.get("scheduler")),
+        ("CFG scale", meta.get("guidance")),
+        ("Seed", meta.get("seed")),
+        ("Size", f"{meta['width']}x{meta['height']}" if "width" in meta and "height" in meta else None),
+        ("Model", meta.get("model")),
+    ]
+    lines = [str(meta["prompt"])]
+    if meta.get("negative_prompt"):
+        lines.append(f"Negative prompt: {meta['negative_prompt']}")
+    lines.append(", ".join(f"{k}: {v}" for k, v in fields if v is not None))
+    return "\n".join(lines)
 
 
 def read_png_metadata(path: str | Path) -> dict[str, Any]:
@@ -73,6 +92,8 @@ def read_png_metadata(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path}: its '{JSON_KEY}' text chunk is not valid JSON ({err})") from err
     meta: dict[str, Any] = {}
     for key, text in chunks.items():
+        if key == "parameters":
+            continue  # the web-UI summary repeats the chunks above
         try:
             if key in _INTS:
                 meta[key] = int(text)

@@ -38,6 +38,11 @@ def test_metadata_round_trips_with_types(tmp_path):
     # Each setting is also a plain text chunk any viewer shows.
     with Image.open(path) as im:
         assert im.text["prompt"] == "蓝色背景上有一个番茄" and im.text["seed"] == "42"
+        assert im.text["parameters"].splitlines() == [
+            "蓝色背景上有一个番茄",
+            "Negative prompt: 模糊",
+            "Steps: 20, Sampler: ddim, CFG scale: 7.5, Seed: 42, Model: kshapes",
+        ]
 
 
 def test_text_chunks_alone_are_parsed(tmp_path):
