@@ -166,6 +166,16 @@ class RapidDiffusionPipeline:
             pipe.set_upscaler(upscaler)
         return pipe
 
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> RapidDiffusionPipeline:
+        """Move the models (in place), as ``diffusers`` pipelines do; the upscaler keeps its dtype."""
+        for module in (self.unet, self.vae, self.text_encoder):
+            module.to(device=device, dtype=dtype)
+        if self.upscaler is not None:
+            self.upscaler.to(device=device)
+        return self
+
     def set_upscaler(self, path: str | Path) -> None:
         from rapiddiff.models.upscaler import load_upscaler
 

@@ -137,3 +137,10 @@ def test_fast_path_gives_the_eager_images(folders):
         np.testing.assert_allclose(fast.images, images, atol=1e-4, rtol=0, err_msg=name)
         assert fast.seeds == SEEDS and fast.metadata[0]["scheduler"] == name
     assert np.abs(eager["pndm"] - eager["dpm++"]).max() > 1e-4  # the sampler choice reaches the fast runner
+
+
+def test_to_changes_dtype_and_keeps_working(folders):
+    pipe = RapidDiffusionPipeline.from_pretrained(folders["clip"]).to(dtype=torch.bfloat16)
+    assert pipe.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
+    out = pipe("x", num_inference_steps=2, seed=0, output_type="np", progress=False)
+    assert out.images.dtype == np.float32 and np.isfinite(out.images).all()
