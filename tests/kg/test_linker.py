@@ -95,3 +95,47 @@ def test_store_round_trip_then_link(tmp_path: Path) -> None:
     loaded = KnowledgeStore.load(store.save(tmp_path / "kg"))
     spans = EntityLinker.from_store(loaded).link("西紅柿炒蛋")
     assert [(s.start, s.end, loaded.entity_names[s.entity_id]) for s in spans] == [(0, 3, "番茄")]
+
+
+def test_fused_segmentation_equals_jieba(linker: EntityLinker) -> None:
+    # The linker's own pass must put word boundaries exactly where jieba.cut(HMM=False) does.
+    import random
+
+    from rapiddiff.kg.linker import _JIEBA_BLOCK
+
+    rng = random.Random(0)
+    pieces = [
+        "北京大学",
+        "的",
+        "熊猫",
+        "番茄酱",
+        "研究生命起源",
+        "结婚的和尚未结婚的",
+        "我们",
+        "中华人民共和国",
+        "abc",
+        "12",
+        "x",
+    ]
+    texts = ["南京市长江大桥", "他说的确实在理", "工信处女干事每月经过下属科室"]
+    texts += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(60)]
+    tok = linker.tokenizer
+    for text in texts:
+        for block in _JIEBA_BLOCK.finditer(text):
+            ends, offset = [], 0
+            for word in tok.cut(block.group(), HMM=False):
+                offset += len(word)
+                ends.append(offset)
+            if any(c.isascii() for c in block.group()):
+                # jieba glues runs of single Latin letters into one token; link() never cuts there anyway.
+                continue
+            assert linker.segment_ends(block.group()) == ends, block.group()
+
+
+def test_surface_with_characters_outside_jieba_blocks() -> None:
+    linker = EntityLinker({"达·芬奇": 0, "C++": 1, "蒙娜丽莎": 2})
+    assert [(s.surface, s.entity_id) for s in linker.link("达·芬奇画了蒙娜丽莎")] == [
+        ("达·芬奇", 0),
+        ("蒙娜丽莎", 2),
+    ]
+    assert [s.surface for s in linker.link("学C++很难")] == ["C++"]
