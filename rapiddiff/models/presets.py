@@ -28,6 +28,7 @@ _SD_SCHEDULER: dict[str, Any] = {
     "skip_prk_steps": True,
     "set_alpha_to_one": False,
     "steps_offset": 1,
+    "clip_sample": False,
     "prediction_type": "epsilon",
     "timestep_spacing": "leading",
     "trained_betas": None,

@@ -30,6 +30,10 @@ def atomic_open(path: str | Path, mode: str = "wb", encoding: str | None = None)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # mkstemp makes the file private (0600); a written file should get the usual umask mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     try:
         with os.fdopen(fd, mode, encoding=encoding) as handle:
             yield handle

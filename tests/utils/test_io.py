@@ -49,3 +49,14 @@ def test_atomic_open_keeps_old_file_on_failure(tmp_path):
         raise RuntimeError("crash mid-write")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temporary left behind
+
+
+def test_atomic_writes_get_the_umask_mode_not_0600(tmp_path):
+    from rapiddiff.utils.io import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "f.txt", "x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o644
