@@ -4,15 +4,15 @@ Two datasets are written to a temporary folder first:
 
 - ``kshapes``: the benchmark's own 128² PNGs (``generate_kshapes``), loaded at 128 — the path the
   capstone trains on;
-- ``photo``: 640×480 JPEGs with photo-like texture (smooth gradients + noise, quality 90), loaded at
-  256 (resize + centre crop) — the path of real image–caption data.
+- ``photo``: 640×480 and 1600×1200 JPEGs with photo-like texture (smooth gradients + noise,
+  quality 90), loaded at 256 (resize + centre crop) — the path of real image–caption data.
 
-For each, the baseline is a single-process loop that only decodes (``Image.open(p).convert("RGB")``),
-then ``ImageTextDataset`` through a ``DataLoader`` (batch 32) with 0, 1 and 2 workers: decoding,
+For each, two single-process baselines: a loop that only decodes (``Image.open(p).convert("RGB")``)
+and a plain loop doing the same work as the loader (decode, bicubic resize, crop, [-1, 1]); then ``ImageTextDataset`` through a ``DataLoader`` (batch 32) with 0, 1 and 2 workers: decoding,
 mode/EXIF handling, resize, crop, [-1, 1] normalisation, collation. Every row times one full pass
 after a short warm-up (worker start-up is not counted). Results go to ``$OUT/data_loader_throughput.{json,md}`` (or ``--out``).
 
-    OMP_NUM_THREADS=1 python benchmarks/data_loader_throughput.py --n 1000
+    OMP_NUM_THREADS=1 python benchmarks/data_loader_throughput.py --n 500
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 from PIL import Image
 
 
-def write_photo_set(root: Path, n: int, seed: int = 0) -> Path:
+def write_photo_set(root: Path, n: int, seed: int = 0, size: tuple[int, int] = (640, 480)) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:480, 0:640].astype(np.float32)
+    yy, xx = np.mgrid[0 : size[1], 0 : size[0]].astype(np.float32)
     rows = []
     for i in range(n):
         a, b, c = rng.uniform(0, 2 * np.pi, 3)
@@ -70,6 +70,24 @@ def pil_baseline(folder: Path) -> tuple[float, int]:
     return len(files) / (time.perf_counter() - start), len(files)
 
 
+def pil_transform_baseline(folder: Path, size: int) -> tuple[float, int]:
+    """The same work written as a plain loop: decode, RGB, bicubic resize, centre crop, [-1, 1]."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".png", ".jpg"))
+    start = time.perf_counter()
+    for path in files:
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+            w, h = image.size
+            scale = size / min(w, h)
+            image = image.resize(
+                (max(size, int(w * scale)), max(size, int(h * scale))), Image.Resampling.BICUBIC
+            )
+            left, top = (image.width - size) // 2, (image.height - size) // 2
+            image = image.crop((left, top, left + size, top + size))
+            torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1).contiguous()
+    return len(files) / (time.perf_counter() - start), len(files)
+
+
 def loader_pass(folder: Path, size: int, workers: int, batch: int = 32) -> tuple[float, int, float]:
     from rapiddiff.data.loader import ImageTextDataset, collate_image_text
 
@@ -95,7 +113,7 @@ def loader_pass(folder: Path, size: int, workers: int, batch: int = 32) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=1000, help="images per dataset")
+    parser.add_argument("--n", type=int, default=500, help="images per dataset")
     parser.add_argument("--workers", default="0,1,2", help="comma-separated DataLoader worker counts")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")), help="result folder")
     args = parser.parse_args()
@@ -107,6 +125,10 @@ def main() -> None:
         sets = {
             "kshapes 128² PNG → 128": (write_kshapes_set(Path(tmp) / "kshapes", args.n), 128),
             "photo 640×480 JPEG → 256": (write_photo_set(Path(tmp) / "photo", args.n), 256),
+            "photo 1600×1200 JPEG → 256": (
+                write_photo_set(Path(tmp) / "big", args.n, size=(1600, 1200)),
+                256,
+            ),
         }
         for name, (folder, size) in sets.items():
             pil_baseline(folder)  # warm the page cache
@@ -115,6 +137,17 @@ def main() -> None:
                 {
                     "dataset": name,
                     "method": "PIL decode loop (baseline)",
+                    "workers": 0,
+                    "images_per_s": rate,
+                    "images": count,
+                }
+            )
+            print(rows[-1], flush=True)
+            rate, count = pil_transform_baseline(folder, size)
+            rows.append(
+                {
+                    "dataset": name,
+                    "method": "PIL decode + same transforms, plain loop",
                     "workers": 0,
                     "images_per_s": rate,
                     "images": count,

@@ -82,10 +82,18 @@ def decode_base64(text: str) -> bytes:
         raise BadImageError(f"invalid base64 ({err})") from err
 
 
-def open_image(source: Path | bytes) -> Image.Image:
-    """Open lazily (header only); raises :class:`BadImageError`."""
+def open_image(source: Path | bytes, draft_size: int | None = None) -> Image.Image:
+    """Open lazily (header only); raises :class:`BadImageError`.
+
+    ``draft_size``: let libjpeg decode a JPEG at 1/2, 1/4 or 1/8 scale as long as both sides stay
+    at least this large (DCT-domain scaling, as ``Image.thumbnail`` does): a 1600×1200 photo
+    bound for 256² decodes ~4× faster, within ~1 grey level of full decoding + resizing.
+    """
     try:
-        return Image.open(source if isinstance(source, Path) else io.BytesIO(source))
+        image = Image.open(source if isinstance(source, Path) else io.BytesIO(source))
+        if draft_size and image.format == "JPEG":
+            image.draft(image.mode, (draft_size, draft_size))
+        return image
     except UnidentifiedImageError as err:
         raise BadImageError("not an image file (unidentified format)") from err
     except Image.DecompressionBombError as err:

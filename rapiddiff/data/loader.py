@@ -72,6 +72,8 @@ class ImageTextDataConfig:
     """Stream rows instead of loading the table (for data that does not fit on disk)."""
     skip_log: str | None = None
     """JSON-lines file that lists every skipped item and why."""
+    jpeg_draft: bool = True
+    """Decode large JPEGs at 1/2-1/8 scale when that still covers image_size (much faster)."""
 
     def __post_init__(self) -> None:
         if self.image_size < 8:
@@ -261,6 +263,7 @@ class ImageTextDataset(Dataset):
     With ``linker`` (an ``EntityLinker``) items carry ``"entities"`` — (start, end, entity_id)
     character spans — and with ``tokenizer`` (a fast HF tokenizer) ``input_ids``,
     ``attention_mask`` and ``token_entity_ids`` [max_length]; both computed once, up front.
+    ``jpeg_draft`` decodes large JPEGs at a reduced scale that still covers ``image_size``.
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class ImageTextDataset(Dataset):
         tokenizer: Any = None,
         max_length: int = 77,
         transform: Callable[[Any], torch.Tensor] | None = None,
+        jpeg_draft: bool = True,
         progress: bool = False,
     ) -> None:
         if small_images not in ("upscale", "skip"):
@@ -290,6 +294,7 @@ class ImageTextDataset(Dataset):
         self.table, self.base_dir = resolve_table(source)
         self.image_size = image_size
         self.small_images = small_images
+        self.jpeg_draft = jpeg_draft
         self.transform = transform or build_image_transform(image_size, crop=crop, hflip=hflip)
         self._log = SkipLog(skip_log)
         self._rows = read_table(self.table, column_names=column_names)
@@ -377,7 +382,8 @@ class ImageTextDataset(Dataset):
     def load_image(self, i: int) -> Any:
         """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
         row = self.indices[i]
-        image = to_rgb(open_image(image_source(self._image_value(row), self.base_dir)))
+        source = image_source(self._image_value(row), self.base_dir)
+        image = to_rgb(open_image(source, self.image_size if self.jpeg_draft else None))
         if self.small_images == "skip" and min(image.size) < self.image_size:
             raise BadImageError(f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})")
         return image
@@ -428,8 +434,10 @@ class StreamingImageTextDataset(IterableDataset):
         t2s: bool = False,
         skip_log: str | os.PathLike[str] | None = None,
         transform: Callable[[Any], torch.Tensor] | None = None,
+        jpeg_draft: bool = True,
     ) -> None:
         super().__init__()
+        self.jpeg_draft = jpeg_draft
         self.files, self.base_dir = _shard_files(source)
         first = Path(self.files[0])
         self.webdataset = first.suffix == ".tar"
@@ -446,13 +454,20 @@ class StreamingImageTextDataset(IterableDataset):
         return self._log.items
 
     def _rows(self) -> Any:
-        if self.webdataset:
-            import datasets
+        import datasets
 
-            return datasets.load_dataset("webdataset", data_files=self.files, split="train", streaming=True)
-        return read_table(
-            Path(self.files[0]), column_names=self._column_names, streaming=True, data_files=self.files
-        )
+        if self.webdataset:
+            rows = datasets.load_dataset("webdataset", data_files=self.files, split="train", streaming=True)
+        else:
+            rows = read_table(
+                Path(self.files[0]), column_names=self._column_names, streaming=True, data_files=self.files
+            )
+        # datasets would decode Image features itself and raise on the first corrupt one, ending
+        # the stream; we take the bytes and decode them here, one bad image costing one sample.
+        for name, feature in (rows.features or {}).items():
+            if isinstance(feature, datasets.Image) and feature.decode:
+                rows = rows.cast_column(name, datasets.Image(decode=False))
+        return rows
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
@@ -474,11 +489,8 @@ class StreamingImageTextDataset(IterableDataset):
                 self._log.add(item_info, "empty caption")
                 continue
             try:
-                value = row[image_column]
-                if self.webdataset and hasattr(value, "convert"):  # webdataset decodes to PIL already
-                    image = to_rgb(value)
-                else:
-                    image = to_rgb(open_image(image_source(value, self.base_dir)))
+                source = image_source(row[image_column], self.base_dir)
+                image = to_rgb(open_image(source, self.image_size if self.jpeg_draft else None))
                 if self.small_images == "skip" and min(image.size) < self.image_size:
                     raise BadImageError(
                         f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})"
@@ -533,6 +545,7 @@ def load_image_text_dataset(
             "small_images": cfg.small_images,
             "t2s": cfg.t2s,
             "skip_log": cfg.skip_log,
+            "jpeg_draft": cfg.jpeg_draft,
         }
         if not cfg.streaming:
             options["verify"] = cfg.verify

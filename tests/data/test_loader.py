@@ -340,3 +340,40 @@ def test_random_crop_and_flip_follow_torch_seed():
     second = [transform(image) for _ in range(6)]
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert len({tuple(t[0, 0, :4].tolist()) for t in first}) > 1  # crops/flips differ between draws
+
+
+def test_streaming_webdataset_tar_shards_survive_a_corrupt_image(tmp_path):
+    import tarfile
+
+    for shard in range(2):
+        with tarfile.open(tmp_path / f"{shard:03d}.tar", "w") as tar:
+            for i in range(3):
+                data = b"broken" if (shard, i) == (1, 1) else _png(Image.new("RGB", (20, 20), RED), "JPEG")
+                for name, payload in (
+                    (f"{shard}_{i}.jpg", data),
+                    (f"{shard}_{i}.txt", f"图{shard}{i}".encode()),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    stream = load_image_text_dataset(tmp_path, streaming=True, image_size=SIZE)
+    items = list(stream)
+    assert [it["text"] for it in items] == ["图00", "图01", "图02", "图10", "图12"]
+    assert [r for _, r in stream.skipped] == ["not an image file (unidentified format)"]
+    torch.testing.assert_close(items[0]["pixel_values"][:, 8, 8], _value(RED), atol=0.05, rtol=0)
+
+
+def test_large_jpegs_decode_at_reduced_scale_with_the_same_result(tmp_path):
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:600, 0:800]
+    smooth = np.stack([127 + 100 * np.sin(xx / (60 + 20 * k)) * np.cos(yy / 70) for k in range(3)], -1)
+    Image.fromarray(np.clip(smooth + rng.normal(0, 3, smooth.shape), 0, 255).astype(np.uint8)).save(
+        tmp_path / "big.jpg", quality=92
+    )
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "big.jpg", "text": "大图"}\n', encoding="utf-8")
+    fast = ImageTextDataset(tmp_path, image_size=SIZE * 4)
+    full = ImageTextDataset(tmp_path, image_size=SIZE * 4, jpeg_draft=False)
+    assert fast.load_image(0).size == (100, 75)  # 800×600 decoded at 1/8: still ≥ 64 on both sides
+    assert full.load_image(0).size == (800, 600)
+    difference = (fast[0]["pixel_values"] - full[0]["pixel_values"]).abs().mean() * 127.5
+    assert difference < 3.0  # grey levels
