@@ -55,3 +55,40 @@ def test_report_groups_identical_captions_and_filters_queries():
     only = retrieval_report(texts, images, [0, 1, 2, 0], query_texts=[0], ks=(1,))
     assert only["num_text_queries"] == 1 and only["num_image_queries"] == 2
     assert "text → image" in format_table(report, ks=(1,))
+
+
+def test_eval_recall_command_end_to_end(tmp_path):
+    import json
+
+    from rapiddiff.cli import main
+    from tests.models.test_clip import _tiny_resnet_clip
+    from tests.models.test_text_encoder import _store
+    from tests.train.test_clip import _write_imagefolder
+
+    _write_imagefolder(tmp_path / "data")
+    _tiny_resnet_clip(_store()).save_pretrained(tmp_path / "clip")
+    (tmp_path / "ents.txt").write_text("黄色\n", encoding="utf-8")
+    out = tmp_path / "recall.json"
+    args = [
+        "eval",
+        "recall",
+        "--model",
+        str(tmp_path / "clip"),
+        "--data",
+        str(tmp_path / "data"),
+        "--device",
+        "cpu",
+    ]
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["gallery"] == {"images": 8, "texts": 8}
+    assert set(report["text_to_image"]) == {"R@1", "R@5", "R@10", "mean"}
+    assert report["text_to_image"]["R@10"] == 100.0  # a gallery of 8: every ground truth is in the top 10
+    assert (
+        main(
+            [*args, "--out", str(out), "--knowledge", "off", "--filter-entities", str(tmp_path / "ents.txt")]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["num_text_queries"] == 2 and report["knowledge"] is False  # 左边/右边有一个黄色

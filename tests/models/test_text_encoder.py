@@ -17,6 +17,10 @@ PROMPT = "蓝色背景上有一个番茄和黄色的圆形"
 
 @pytest.fixture(scope="module")
 def store() -> KnowledgeStore:
+    return _store()
+
+
+def _store() -> KnowledgeStore:
     names = ["番茄", "红色", "圆形", "柠檬", "黄色", "蓝色"]
     g = torch.Generator().manual_seed(1)
     triples = [(0, 0, 1), (0, 1, 2), (3, 0, 4), (3, 1, 2)]  # 番茄 颜色 红色, 番茄 形状 圆形, ...
