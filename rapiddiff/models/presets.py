@@ -28,7 +28,6 @@ _SD_SCHEDULER: dict[str, Any] = {
     "skip_prk_steps": True,
     "set_alpha_to_one": False,
     "steps_offset": 1,
-    "clip_sample": False,
     "prediction_type": "epsilon",
     "timestep_spacing": "leading",
     "trained_betas": None,
@@ -252,7 +251,7 @@ def write_tiny_sd_folder(path: str | Path, text: Literal["clip", "bert"] = "clip
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(**unet_config("tiny"))
     vae = AutoencoderKL(**vae_config("tiny"))
-    scheduler = PNDMScheduler(**scheduler_config())
+    scheduler = PNDMScheduler.from_config(scheduler_config())
     tmp_tok = path / "_tokenizer_src"
     if text == "clip":
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -287,6 +286,11 @@ def write_tiny_sd_folder(path: str | Path, text: Literal["clip", "bert"] = "clip
         requires_safety_checker=False,
     )
     pipe.save_pretrained(path, safe_serialization=True)
+    # SD 1.5's own scheduler_config.json also says clip_sample=false (PNDM ignores it; DDIM, built
+    # from the same file, would otherwise clip x0): write it as the real file has it.
+    sched_file = path / "scheduler" / "scheduler_config.json"
+    sched_json = json.loads(sched_file.read_text(encoding="utf-8"))
+    sched_file.write_text(json.dumps({**sched_json, "clip_sample": False}, indent=2), encoding="utf-8")
     if tmp_tok.exists():
         for child in tmp_tok.iterdir():
             child.unlink()

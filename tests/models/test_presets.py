@@ -42,3 +42,11 @@ def test_presets_build_and_sd15_matches_the_published_architecture():
 def test_unknown_preset_lists_choices():
     with pytest.raises(ValueError, match="choose one of: sd15, kshapes, tiny"):
         unet_config("sdxl")
+
+
+def test_tiny_folder_scheduler_file_matches_sd15_for_ddim(tmp_path):
+    from diffusers import DDIMScheduler
+
+    folder = write_tiny_sd_folder(tmp_path / "sd", text="clip")
+    ddim = DDIMScheduler.from_pretrained(folder, subfolder="scheduler")
+    assert ddim.config.clip_sample is False and ddim.config.steps_offset == 1
