@@ -79,6 +79,36 @@ def register(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--json", action="store_true", help="print the full report as JSON")
     ins.set_defaults(func=_inspect)
 
+    prep = sub.add_parser(
+        "prepare",
+        help="check a dataset once and link its captions once; training runs reuse both (prepared=DIR)",
+        description=(
+            "Decode every image of PATH, record the usable rows and every skipped item (with its reason), "
+            "and with --store link every caption to the KnowledgeStore's entities. Writes manifest.json, "
+            "skipped.jsonl and annotations.jsonl to --out; ImageTextDataset(PATH, prepared=OUT) then builds "
+            "without opening an image or linking a caption. The manifest remembers the table's size and "
+            "modification time and is refused once the table changes."
+        ),
+    )
+    prep.add_argument("path", type=Path, help="image folder or table file")
+    prep.add_argument(
+        "--out", type=Path, required=True, help="folder for manifest.json, skipped.jsonl, annotations.jsonl"
+    )
+    prep.add_argument(
+        "--store", type=Path, default=None, help="KnowledgeStore folder to link captions against"
+    )
+    prep.add_argument(
+        "--image-size", type=int, default=256, help="training size (used with --small-images skip)"
+    )
+    prep.add_argument(
+        "--small-images", choices=["upscale", "skip"], default="upscale", help="policy for small images"
+    )
+    prep.add_argument("--image-column", default="image", help="image column (folders use file_name)")
+    prep.add_argument("--text-column", default="text", help="caption column")
+    prep.add_argument("--column-names", default=None, help="comma-separated names for a headerless CSV/TSV")
+    prep.add_argument("--t2s", action="store_true", help="convert traditional captions to simplified")
+    prep.set_defaults(func=_prepare)
+
 
 def _kshapes(args: argparse.Namespace) -> int:
     from rapiddiff.data.kshapes import SMALL_PRESET, KShapesConfig, generate_kshapes
@@ -124,4 +154,22 @@ def _inspect(args: argparse.Namespace) -> int:
     print(json.dumps(report, ensure_ascii=False, indent=1) if args.json else format_report(report))
     if args.out:
         print(f"report written to {args.out}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from rapiddiff.data.prepare import prepare_dataset
+
+    summary = prepare_dataset(
+        args.path,
+        args.out,
+        store=args.store,
+        image_size=args.image_size,
+        small_images=args.small_images,
+        t2s=args.t2s,
+        image_column=args.image_column,
+        text_column=args.text_column,
+        column_names=args.column_names.split(",") if args.column_names else None,
+    )
+    print(json.dumps(summary, ensure_ascii=False, indent=1))
     return 0

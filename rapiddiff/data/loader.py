@@ -198,8 +198,15 @@ def _reason_kind(reason: str) -> str:
 class _Annotations:
     """Entity spans and token ids computed once per caption (so no epoch links twice)."""
 
-    def __init__(self, texts: Sequence[str], linker: Any = None, tokenizer: Any = None, max_length: int = 77):
-        self.spans: list[list[tuple[int, int, int]]] | None = None
+    def __init__(
+        self,
+        texts: Sequence[str],
+        linker: Any = None,
+        tokenizer: Any = None,
+        max_length: int = 77,
+        spans: list[list[tuple[int, int, int]]] | None = None,
+    ):
+        self.spans: list[list[tuple[int, int, int]]] | None = spans  # from `rapiddiff data prepare`
         self.tokens: dict[str, torch.Tensor] | None = None
         if linker is not None:
             self.spans = [[(s.start, s.end, s.entity_id) for s in linker.link(t)] for t in texts]
@@ -264,6 +271,8 @@ class ImageTextDataset(Dataset):
     character spans — and with ``tokenizer`` (a fast HF tokenizer) ``input_ids``,
     ``attention_mask`` and ``token_entity_ids`` [max_length]; both computed once, up front.
     ``jpeg_draft`` decodes large JPEGs at a reduced scale that still covers ``image_size``.
+    ``prepared`` is a folder written by ``rapiddiff data prepare``: its checked rows (no scan)
+    and, when it has them and no ``linker`` is given, its entity spans are used.
     """
 
     def __init__(
@@ -285,6 +294,7 @@ class ImageTextDataset(Dataset):
         max_length: int = 77,
         transform: Callable[[Any], torch.Tensor] | None = None,
         jpeg_draft: bool = True,
+        prepared: str | os.PathLike[str] | None = None,
         progress: bool = False,
     ) -> None:
         if small_images not in ("upscale", "skip"):
@@ -304,10 +314,19 @@ class ImageTextDataset(Dataset):
         self.text_column = text_column
         texts = [clean_caption(t, t2s=t2s) for t in self._rows.data.column(text_column).to_pylist()]
         self.image_sizes: dict[int, tuple[int, int]] = {}  # row → (width, height), from the scan
-        keep = self._scan(texts, verify, progress)
+        spans = None
+        if prepared is not None:
+            from rapiddiff.data.prepare import load_prepared
+
+            settings = {"t2s": t2s, "small_images": small_images, "image_size": image_size}
+            keep, skipped, spans = load_prepared(prepared, self.table, texts, settings)
+            for item, reason in skipped:
+                self._log.items.append((item, reason))
+        else:
+            keep = self._scan(texts, verify, progress)
         self.indices: list[int] = keep
         self.texts: list[str] = [texts[i] for i in keep]
-        self.annotations = _Annotations(self.texts, linker, tokenizer, max_length)
+        self.annotations = _Annotations(self.texts, linker, tokenizer, max_length, spans=spans)
         self._failed: set[int] = set()
         if self._log.items:
             counts = ", ".join(f"{n} {k}" for k, n in self._log.counts().most_common())
