@@ -18,7 +18,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         "kshapes",
         help="write the kshapes benchmark (images at base and 4× size, captions, KG, prompts)",
         description=(
-            "Write the kshapes benchmark: ~66 real Chinese entities with colour/shape/category facts "
+            "Write the kshapes benchmark: 66 real Chinese entities with colour/shape/category facts "
             "in a KG (kg/triples.tsv, kg/aliases.tsv), rendered single-object images in train/ val/ "
             "test/ (imagefolders with metadata.jsonl) and hr/ (the same drawings at 4× size), "
             "held-out entities that no training caption names, and evaluation prompts. "
