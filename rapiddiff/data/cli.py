@@ -22,8 +22,8 @@ def register(parser: argparse.ArgumentParser) -> None:
             "in a KG (kg/triples.tsv, kg/aliases.tsv), rendered single-object images in train/ val/ "
             "test/ (imagefolders with metadata.jsonl) and hr/ (the same drawings at 4× size), "
             "held-out entities that no training caption names, and evaluation prompts. "
-            "The same --seed gives byte-identical files. Defaults come from configs/data/kshapes.yaml "
-            "values built into KShapesConfig; any option below overrides them."
+            "The same --seed gives byte-identical files. Defaults are those of configs/data/kshapes.yaml; "
+            "--config reads another YAML, and the options below override either."
         ),
     )
     ks.add_argument(
