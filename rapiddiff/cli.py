@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("rapiddiff.data.cli", "datasets: write the kshapes benchmark, inspect image–caption data"),
     "train": ("rapiddiff.train.cli", "train from a YAML config (LightningCLI): clip, unet, finetune, vae, upscaler"),
     "generate": ("rapiddiff.infer.generate_cli", "text → images: sample a model folder to PNGs that record their settings"),
+    "bench": ("rapiddiff.infer.bench_cli", "benchmark: stock diffusers vs torch.compile recipe vs rapiddiff's fast path"),
     "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
 }
 
