@@ -131,7 +131,7 @@ class _Adapter:
             if self.diffusers:
                 cond, uncond = self.pipe.encode_prompt(prompts, device, per_prompt, guidance, negative)
                 return cond, uncond if guidance else None
-            cond, uncond = self.pipe.encode_prompt(prompts, negative)
+            cond, uncond = self.pipe.encode_prompt(prompts, negative, do_classifier_free_guidance=guidance)
         cond = cond.repeat_interleave(per_prompt, dim=0)
         uncond = uncond.repeat_interleave(per_prompt, dim=0) if guidance and uncond is not None else None
         return cond, uncond
@@ -187,8 +187,10 @@ class FastPipeline:
                 "dtype", f"fallback: kept {self.unet.dtype} ({cfg.dtype} on {self.device.type} is slow)"
             )
         elif cfg.dtype is not None:
+            dtype = getattr(torch, cfg.dtype)
             for module in (self.unet, self.vae, self.pipe.text_encoder):
-                module.to(dtype=getattr(torch, cfg.dtype))
+                if next(module.parameters()).dtype != dtype:  # skip no-op casts (diffusers warns on each)
+                    module.to(dtype=dtype)
             self._set("dtype", cfg.dtype)
         else:
             self._set("dtype", f"off (kept {self.unet.dtype})")
@@ -357,7 +359,16 @@ class FastPipeline:
                 images = self.adapter.decode(latents)
             else:
                 loop = self._get_loop(plan, noise_shape, tuple(context.shape), guidance)
-                latents, images = loop(noise, context, guidance_scale)
+                try:
+                    latents, images = loop(noise, context, guidance_scale)
+                except RuntimeError as err:
+                    if not loop.use_graph:
+                        raise
+                    # Something in the loop is not capturable here: keep the speed we can, say why.
+                    self._set("loop", f"fallback: resident (CUDA graph capture failed: {str(err)[:200]})")
+                    self._loop_kind, loop.use_graph, loop.graph = "resident", False, None
+                    torch.cuda.synchronize()
+                    latents, images = loop(noise, context, guidance_scale)
         self._maybe_save_cache()
         images = images.permute(0, 2, 3, 1).cpu().numpy()  # the one host synchronisation
         times["denoise_decode"] = time.perf_counter() - t1
