@@ -452,7 +452,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     """Most important first, so a time budget cuts the least useful: the first batch size with every
-    variant, the second process, the other batch sizes, switch parity, fp8, the profile."""
+    variant, the second process, the other batch sizes, fp8, switch parity, the profile."""
     main = [v for v in cfg.variants if v != "rapiddiff-fp8"]
     if "eager" not in main:
         main.insert(0, "eager")  # the parity reference
@@ -461,9 +461,9 @@ def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     if cfg.second_process:
         tasks.append(("second_process", None))
     tasks += [("run", (v, b, {})) for b in others for v in main]
-    tasks += [("run", ("switch", first, SWITCHES[name])) for name in cfg.switches]
     if "rapiddiff-fp8" in cfg.variants:
         tasks.append(("run", ("rapiddiff-fp8", first, {})))
+    tasks += [("run", ("switch", first, SWITCHES[name])) for name in cfg.switches]
     if cfg.profile:
         tasks.append(("profile", None))
     return tasks
