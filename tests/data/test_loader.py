@@ -80,7 +80,9 @@ def folder(tmp_path: Path) -> Path:
         {"file_name": "img/rgb.png", "text": None},
         {"file_name": "img/rgb.png"},
         {"file_name": "img/tiny.png", "text": "小图"},
+        {"file_name": "img/rotated.jpg", "text": "旋转的图"},
     ]
+    (root / "img" / "rotated.jpg").write_bytes(_rotated_jpeg())
     with (root / "metadata.jsonl").open("w", encoding="utf-8") as handle:
         for row in rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -105,13 +107,18 @@ def test_odd_modes_become_rgb(tmp_path, name):
     np.testing.assert_allclose(np.asarray(image)[12, 12], expected, atol=2)
 
 
-def test_exif_orientation_is_applied(tmp_path):
-    # 40×20: left half red, right half blue. EXIF orientation 6 = "rotate 90° clockwise to view".
+def _rotated_jpeg() -> bytes:
+    """40×20 stored, left half red, right half blue; EXIF orientation 6 = "rotate 90° clockwise
+    to view", so the viewed image is 20×40 with red on top."""
     image = Image.new("RGB", (40, 20), (255, 0, 0))
     image.paste((0, 0, 255), (20, 0, 40, 20))
     exif = Image.Exif()
     exif[0x0112] = 6
-    (tmp_path / "r.jpg").write_bytes(_png(image, "JPEG", exif=exif.tobytes(), quality=95))
+    return _png(image, "JPEG", exif=exif.tobytes(), quality=95)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    (tmp_path / "r.jpg").write_bytes(_rotated_jpeg())
     loaded = np.asarray(load_rgb("r.jpg", tmp_path)).astype(int)
     assert loaded.shape == (40, 20, 3)  # portrait now
     assert loaded[5, 10, 0] > 200 and loaded[5, 10, 2] < 60  # red on top
@@ -122,7 +129,7 @@ def test_imagefolder_skips_and_counts_bad_items(folder, tmp_path):
     log = tmp_path / "skipped.jsonl"
     ds = ImageTextDataset(folder, image_size=SIZE, skip_log=log)
     # truncated.png has a valid header: with verify="header" it is found only when decoded.
-    assert len(ds) == 6 + 1 + 1  # odd modes, truncated (not yet known), tiny (upscaled)
+    assert len(ds) == 6 + 1 + 1 + 1  # odd modes, truncated (not yet known), tiny (upscaled), rotated
     reasons = [reason for _, reason in ds.skipped]
     assert len(reasons) == 5
     assert sum(r == "empty caption" for r in reasons) == 3
@@ -141,6 +148,10 @@ def test_imagefolder_skips_and_counts_bad_items(folder, tmp_path):
             torch.testing.assert_close(centre, _value(expected[item["text"]]), atol=0.02, rtol=0)
             checked += 1
     assert checked == len(expected)
+    rotated = next(ds[i] for i in range(len(ds)) if ds[i]["text"] == "旋转的图")["pixel_values"]
+    # Portrait after EXIF: resized to 16×32 and centre-cropped, red above blue.
+    torch.testing.assert_close(rotated[:, 2, 8], _value((255, 0, 0)), atol=0.1, rtol=0)
+    torch.testing.assert_close(rotated[:, 13, 8], _value((0, 0, 255)), atol=0.1, rtol=0)
     # The truncated file was replaced by the next good item and recorded as skipped.
     assert "截断的文件" not in texts
     assert any("truncated" in r or "corrupt" in r for _, r in ds.skipped)
@@ -153,10 +164,10 @@ def test_imagefolder_skips_and_counts_bad_items(folder, tmp_path):
 def test_full_verification_and_skipping_small_images(folder):
     ds = ImageTextDataset(folder, image_size=SIZE, verify="full", small_images="skip")
     reasons = [reason for _, reason in ds.skipped]
-    assert len(ds) == 6
+    assert len(ds) == 7
     assert any(r.startswith("corrupt or truncated") for r in reasons)
     assert any(r.startswith("image too small (8x8") for r in reasons)
-    assert sorted(ds[i]["index"] for i in range(len(ds))) == list(range(6))
+    assert sorted(ds[i]["index"] for i in range(len(ds))) == [*range(6), 13]
 
 
 def _write_table_images(root: Path) -> list[tuple[str, bytes]]:
@@ -294,7 +305,7 @@ def test_entity_annotation_and_tokens_are_computed_once(folder):
 def test_config_builds_the_dataset_and_errors_name_the_problem(folder, tmp_path):
     cfg = ImageTextDataConfig(source=str(folder), image_size=SIZE, small_images="skip")
     ds = load_image_text_dataset(cfg)
-    assert isinstance(ds, ImageTextDataset) and len(ds) == 7
+    assert isinstance(ds, ImageTextDataset) and len(ds) == 8
     with pytest.raises(FileNotFoundError, match=r"metadata\.jsonl"):
         ImageTextDataset(tmp_path, image_size=SIZE)
     with pytest.raises(ValueError, match="no text column 'caption'"):
