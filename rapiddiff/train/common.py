@@ -267,6 +267,7 @@ class SampleGrid(Callback):
                 images = sampler()
         finally:
             pl_module.train(was_training)
+        folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"  # log_dir is collective
         if images is None or not trainer.is_global_zero:
             return None
         grid = make_grid(images.detach().float().clamp(0, 1).cpu(), nrow=self.nrow, padding=2)  # (3, H', W')
@@ -274,7 +275,6 @@ class SampleGrid(Callback):
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):
                 experiment.add_image("samples", grid, trainer.global_step)
-        folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"
         path = folder / f"step={trainer.global_step:07d}.png"
         save_png(grid, path)
         self.saved.append(path)

@@ -1,0 +1,36 @@
+"""Two CPU processes through Lightning's DDP (gloo), launched the way a user launches it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train.helpers import REPO, tiny_unet_args, write_imagefolder
+
+
+@pytest.mark.slow
+def test_unet_trains_with_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
+    data = write_imagefolder(tmp_path / "data", n=8)
+    root = tmp_path / "run"
+    args = [
+        *tiny_unet_args(data, root, max_steps=2),
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.logger=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "rapiddiff", "train", "unet", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (root / "checkpoints" / "step=0000002.ckpt").is_file()
+    assert (root / "model" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
