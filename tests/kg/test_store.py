@@ -116,3 +116,14 @@ def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
     (store_dir / "entity_embeddings.safetensors").write_bytes(b"\x00" * 4)
     with pytest.raises(ValueError, match="not a safetensors file"):
         KnowledgeStore.load(store_dir)
+
+
+def test_damaged_name_table_is_reported_on_first_use(tmp_path: Path) -> None:
+    store_dir = _store().save(tmp_path / "kg")
+    lines = (store_dir / "entities.tsv").read_text(encoding="utf-8").splitlines()
+    (store_dir / "entities.tsv").write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="4 rows but the embeddings hold 5"):
+        _ = KnowledgeStore.load(store_dir).entity_names
+    (store_dir / "entities.tsv").write_text("\n".join([*lines[:2], "1\tx"]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"entities.tsv:3: expected 3 tab-separated columns"):
+        _ = KnowledgeStore.load(store_dir).aliases
