@@ -1,0 +1,319 @@
+"""U-Net training throughput (images/s): diffusers' train_text_to_image.py loop vs rapiddiff's step.
+
+Both run in one process on the same architecture (random weights from the presets: speed does
+not depend on weight values), the same batch, resolution and precision:
+
+- ``reference``: the inner loop of diffusers' ``examples/text_to_image/train_text_to_image.py``
+  as run with ``--mixed_precision bf16`` and its defaults (no EMA, no gradient checkpointing,
+  SDPA attention, AdamW lr 1e-4, max_grad_norm 1): VAE and text encoder cast to bf16, the U-Net
+  in fp32 under bf16 autocast (what accelerate's prepare does), then vae.encode → noise →
+  unet → mse → ``loss.item()`` (the script logs it every step) → backward → clip → AdamW step →
+  LR-scheduler step → zero_grad. The text tower is the Taiyi-style Chinese BERT of the preset
+  (what a Chinese SD 1.x checkpoint uses) — the same module rapiddiff's step runs.
+- ``eager``, ``channels_last``, ``fuse_qkv``, ``all`` (both), ``compile`` (both + torch.compile):
+  rapiddiff's ``LatentDiffusion`` LightningModule through a Lightning ``Trainer``
+  (``precision="bf16-mixed"``, ``gradient_clip_val=1``), its real data path (resumable sampler),
+  with EMA off and no caption dropout/min-SNR, to match the reference's work.
+
+    python benchmarks/train_unet_throughput.py --out $OUT              # SD 1.5 size, 512², batch 8, GPU
+    python benchmarks/train_unet_throughput.py --size tiny --device cpu --precision 32 --steps 2 --warmup 1
+
+Writes ``train_unet_throughput.json`` and ``.md`` under ``--out`` (or $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CAPTIONS = [
+    "蓝色背景上有一个红色的圆形",
+    "一碗热气腾腾的兰州牛肉面",
+    "水墨山水画，远山云雾",
+    "白色背景上的一双红色运动鞋",
+]
+VARIANTS = {
+    "eager": {},
+    "channels_last": {"channels_last": True},
+    "fuse_qkv": {"fuse_qkv": True},
+    "all": {"channels_last": True, "fuse_qkv": True},
+    "compile": {"channels_last": True, "fuse_qkv": True, "compile": True},
+}
+
+
+def image_size(size: str) -> int:
+    from rapiddiff.models.presets import unet_config, vae_config
+
+    factor = 2 ** (len(vae_config(size)["block_out_channels"]) - 1)
+    return int(unet_config(size)["sample_size"]) * factor
+
+
+def synthetic_items(n: int, side: int) -> list[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            "pixel_values": torch.rand(3, side, side, generator=generator) * 2 - 1,
+            "text": CAPTIONS[i % len(CAPTIONS)],
+            "index": i,
+        }
+        for i in range(n)
+    ]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+# ----------------------------------------------------------------------------- the reference
+def run_reference(
+    args: argparse.Namespace, device: torch.device, items: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """diffusers' train_text_to_image.py inner loop, line for line (see the module docstring)."""
+    import torch.nn.functional as F
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from diffusers.optimization import get_scheduler
+    from transformers import BertConfig, BertModel
+
+    from rapiddiff.models.presets import bert_text_config, scheduler_config, unet_config, vae_config
+    from rapiddiff.models.text_encoder import chinese_bert_tokenizer
+
+    bf16 = args.precision == "bf16"
+    weight_dtype = torch.bfloat16 if bf16 else torch.float32
+    noise_scheduler = DDPMScheduler.from_config(scheduler_config())
+    tokenizer = chinese_bert_tokenizer()
+    text_encoder = BertModel(BertConfig(**bert_text_config(args.size)), add_pooling_layer=False)
+    vae = AutoencoderKL(**vae_config(args.size))
+    unet = UNet2DConditionModel(**unet_config(args.size))
+    vae.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    unet.train()
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    lr_scheduler = get_scheduler(
+        "constant", optimizer=optimizer, num_warmup_steps=0, num_training_steps=10**6
+    )
+    unet.to(device)
+    text_encoder.to(device, dtype=weight_dtype)
+    vae.to(device, dtype=weight_dtype)
+
+    def tokenize(captions: list[str]) -> torch.Tensor:
+        return tokenizer(
+            captions,
+            max_length=tokenizer.model_max_length,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+
+    dataset = [{"pixel_values": it["pixel_values"], "input_ids": tokenize([it["text"]])[0]} for it in items]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    def step(batch: dict[str, torch.Tensor]) -> float:
+        pixel_values = batch["pixel_values"].to(device, non_blocking=True)
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        latents = vae.encode(pixel_values.to(weight_dtype)).latent_dist.sample()
+        latents = latents * vae.config.scaling_factor
+        noise = torch.randn_like(latents)
+        bsz = latents.shape[0]
+        timesteps = torch.randint(
+            0, noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device
+        )
+        timesteps = timesteps.long()
+        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+        encoder_hidden_states = text_encoder(input_ids, return_dict=False)[0]
+        target = noise
+        with autocast:  # accelerate wraps the prepared U-Net's forward in autocast
+            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+        train_loss = loss.detach().item()  # the script gathers and logs it every step
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        return train_loss
+
+    batches = iter(_cycle(loader))
+    for _ in range(args.warmup):
+        step(next(batches))
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step(next(batches))
+    sync(device)
+    seconds = time.perf_counter() - start
+    memory = peak_memory_gib(device)
+    return {"seconds": seconds, "peak_memory_gib": memory}
+
+
+def _cycle(loader: Any) -> Any:
+    while True:
+        yield from loader
+
+
+# ----------------------------------------------------------------------------- rapiddiff
+def run_rapiddiff(
+    args: argparse.Namespace, device: torch.device, items: list[dict[str, Any]], speed: dict[str, bool]
+) -> dict[str, Any]:
+    import pytorch_lightning as pl
+
+    from rapiddiff.train.common import OptimConfig, resumable_loader
+    from rapiddiff.train.speed import SpeedConfig
+    from rapiddiff.train.unet import DiffusionLoss, LatentDiffusion
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(items)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return items[i]
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self) -> Any:
+            return resumable_loader(Items(), self.trainer, batch_size=args.batch)
+
+    class Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.start = self.end = 0.0
+
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == args.warmup:
+                sync(device)
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == args.warmup + args.steps:
+                sync(device)
+                self.end = time.perf_counter()
+
+    module = LatentDiffusion(
+        unet=args.size,
+        vae=args.size,
+        text_encoder=args.size,
+        trainable=("unet",),
+        loss=DiffusionLoss(caption_dropout=0.0),
+        optim=OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0),
+        ema=None,
+        speed=SpeedConfig(**speed),
+    )
+    timer = Timer()
+    trainer = pl.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed" if args.precision == "bf16" else "32-true",
+        max_steps=args.warmup + args.steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
+    trainer.fit(module, datamodule=Data())
+    memory = peak_memory_gib(device)
+    return {"seconds": timer.end - timer.start, "peak_memory_gib": memory}
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON and markdown")
+    parser.add_argument("--size", default="sd15", choices=["sd15", "kshapes", "tiny"], help="model preset")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens here)")
+    parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "32"])
+    parser.add_argument(
+        "--variants",
+        default="reference," + ",".join(VARIANTS),
+        help=f"comma-separated: reference and any of {', '.join(VARIANTS)}",
+    )
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
+    if device.type == "auto":
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the script's default (--allow_tf32 off)
+    side = image_size(args.size)
+    items = synthetic_items(max(4 * args.batch, 32), side)
+    results = []
+    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        if name != "reference" and name not in VARIANTS:
+            parser.error(f"unknown variant {name!r}")
+        free(device)
+        torch.manual_seed(0)
+        print(f"[{name}] ...", file=sys.stderr, flush=True)
+        if name == "reference":
+            measured = run_reference(args, device, items)
+        else:
+            measured = run_rapiddiff(args, device, items, VARIANTS[name])
+        images_per_s = args.steps * args.batch / measured["seconds"]
+        row = {"variant": name, "images_per_s": images_per_s, **measured}
+        print(f"[{name}] {images_per_s:.2f} images/s", file=sys.stderr, flush=True)
+        results.append(row)
+    reference = next((r["images_per_s"] for r in results if r["variant"] == "reference"), None)
+    for row in results:
+        row["vs_reference"] = row["images_per_s"] / reference if reference else None
+    report = {
+        "benchmark": "train_unet_throughput",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "diffusers": __import__("diffusers").__version__,
+        "size": args.size,
+        "resolution": side,
+        "batch": args.batch,
+        "precision": args.precision,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": results,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_unet_throughput.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    lines = [
+        f"U-Net training throughput, {args.size} at {side}², batch {args.batch}, {args.precision}, "
+        f"{report['device']}, {report['date']}",
+        "",
+        "| variant | images/s | × reference | peak GiB |",
+        "|---|---|---|---|",
+    ]
+    for row in results:
+        ratio = f"{row['vs_reference']:.2f}" if row["vs_reference"] else "–"
+        memory = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "–"
+        lines.append(f"| {row['variant']} | {row['images_per_s']:.2f} | {ratio} | {memory} |")
+    (out / "train_unet_throughput.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+    return report
+
+
+if __name__ == "__main__":
+    main()
