@@ -26,7 +26,12 @@ from typing import Any
 import torch
 
 from rapiddiff.infer import fast_attention
-from rapiddiff.infer.fast_cache import load_compile_cache, save_compile_cache
+from rapiddiff.infer.fast_cache import (
+    load_backend_table,
+    load_compile_cache,
+    save_backend_table,
+    save_compile_cache,
+)
 from rapiddiff.infer.fast_fp8 import fp8_supported, quantize_linears
 from rapiddiff.infer.fast_loop import DenoiseLoop
 from rapiddiff.infer.fast_plan import LinearPlan, PlanUnsupported, linear_plan
@@ -181,6 +186,9 @@ class FastPipeline:
         cfg, cuda = self.config, self.device.type == "cuda"
         if cfg.compile_cache:
             self._cache_state = load_compile_cache(cfg.compile_cache)
+            # The attention backends are part of the traced graph: reuse the ones the cache was
+            # compiled with, or a re-timed (noisy) choice would change the graph and miss the cache.
+            self._backends.update(load_backend_table(cfg.compile_cache))
             self._set("compile_cache", self._cache_state)
         if cfg.dtype is not None and not cuda and cfg.dtype != "float32":
             self._set(
@@ -429,6 +437,7 @@ class FastPipeline:
         path = self.config.compile_cache
         if path and self._cache_state.startswith("missing") and self.config.compile_unet:
             self._cache_state = save_compile_cache(path)
+            save_backend_table(path, self._backends)
             self.report["compile_cache"] = self._cache_state
 
     def clear(self) -> None:

@@ -8,11 +8,12 @@ model (seconds), but nothing is code-generated or autotuned again.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from rapiddiff.utils.io import atomic_write_bytes
+from rapiddiff.utils.io import atomic_write_bytes, atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -52,3 +53,25 @@ def _counts(info: object) -> str:
         if isinstance(value, list) and value:
             parts.append(f"{len(value)} {name.replace('_artifacts', '')}")
     return ", ".join(parts) or "artifacts"
+
+
+def _table_path(path: str | Path) -> Path:
+    return Path(str(path) + ".attention.json")
+
+
+def save_backend_table(path: str | Path, table: dict[tuple[int, int, int], str]) -> None:
+    """Write the per-shape SDPA backends beside the compile cache (they shape the traced graph)."""
+    rows = [{"query": q, "key": k, "head_dim": d, "backend": b} for (q, k, d), b in sorted(table.items())]
+    atomic_write_text(_table_path(path), json.dumps(rows, indent=1))
+
+
+def load_backend_table(path: str | Path) -> dict[tuple[int, int, int], str]:
+    """The table :func:`save_backend_table` wrote for ``path``, or {} if there is none."""
+    file = _table_path(path)
+    if not file.is_file():
+        return {}
+    try:
+        rows = json.loads(file.read_text(encoding="utf-8"))
+        return {(int(r["query"]), int(r["key"]), int(r["head_dim"])): str(r["backend"]) for r in rows}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{file}: not an attention backend table ({err}); delete it to re-measure") from err

@@ -1,0 +1,77 @@
+"""rapiddiff bench on a tiny CPU run: every variant row, parity figures, files, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+from rapiddiff.cli import COMMANDS, build_parser
+from rapiddiff.infer.bench import BenchConfig, plan_tasks, psnr, run_bench
+
+
+def test_config_rejects_unknown_names():
+    with pytest.raises(ValueError, match="rapiddiff-fp8"):
+        BenchConfig(variants=("eager", "turbo"))
+    with pytest.raises(ValueError, match="channels_last"):
+        BenchConfig(switches=("warp",))
+    assert "loop=graph" in BenchConfig(switches=("all",)).switches
+
+
+def test_tasks_put_the_headline_first():
+    cfg = BenchConfig(
+        batches=(1, 8),
+        variants=("recipe", "rapiddiff", "rapiddiff-fp8"),
+        switches=("fuse_qkv",),
+        second_process=True,
+    )
+    names = [(t, a[0] if a else None, a[1] if a else None) for t, a in plan_tasks(cfg)]
+    assert names[:4] == [
+        ("run", "eager", 1),
+        ("run", "recipe", 1),
+        ("run", "rapiddiff", 1),
+        ("second_process", None, None),
+    ]
+    assert names[4:7] == [("run", "eager", 8), ("run", "recipe", 8), ("run", "rapiddiff", 8)]
+    assert names[7] == ("run", "rapiddiff-fp8", 1) and names[8][1] == "switch"
+
+
+def test_psnr():
+    assert psnr([[0.5]], [[0.5]]) == math.inf
+    assert psnr([[0.0]], [[0.1]]) == pytest.approx(20.0)
+
+
+def test_tiny_run_writes_rows_parity_and_files(tmp_path, capsys):
+    cfg = BenchConfig(
+        preset="tiny",
+        steps=2,
+        batches=(1,),
+        variants=("eager", "rapiddiff"),
+        switches=("cross_kv_cache",),
+        dtype="float32",
+        compile=False,
+        min_run_time=0.05,
+        out=str(tmp_path),
+        device="cpu",
+    )
+    result = run_bench(cfg)
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"eager", "rapiddiff", "switch:cross_kv_cache=True"}
+    for name in ("rapiddiff", "switch:cross_kv_cache=True"):
+        assert rows[name]["latent_rel_err"] < 1e-4 and rows[name]["psnr_db"] > 35
+        assert rows[name]["it_s"] > 0 and rows[name]["e2e_s"] > 0
+    assert "fallback" in rows["rapiddiff"]["note"]  # CPU: the graph loop and attention timing fall back
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert len(saved["rows"]) == 3 and saved["meta"]["config"]["preset"] == "tiny"
+    table = (tmp_path / "bench.md").read_text()
+    assert "| rapiddiff | 1 |" in table
+    assert (tmp_path / "first_images.png").stat().st_size > 0
+
+
+def test_cli_is_registered():
+    assert COMMANDS["bench"][0] == "rapiddiff.infer.bench_cli"
+    args = build_parser().parse_args(["bench", "--preset", "tiny", "--batch", "1", "2", "--no-compile"])
+    assert args.batch == [1, 2] and args.no_compile
