@@ -17,4 +17,7 @@ def setup_logging(verbose: int = 0) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)
+        # Our handler prints rapiddiff's messages; a library that configures the root logger
+        # (pykeen's evaluation does) must not print them a second time.
+        root.propagate = False
     root.setLevel(level)
