@@ -116,7 +116,9 @@ class _Adapter:
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
-        self.diffusers = hasattr(pipe, "tokenizer") and hasattr(pipe, "vae_scale_factor")
+        from diffusers import DiffusionPipeline
+
+        self.diffusers = isinstance(pipe, DiffusionPipeline)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -144,7 +146,10 @@ class _Adapter:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents → images (N, 3, H, W) in [0, 1], on the GPU, inside the graph if there is one."""
         vae = self.pipe.vae
-        scaled = (latents / vae.config.scaling_factor).to(vae.dtype)
+        scaled = latents / vae.config.scaling_factor
+        if getattr(vae.config, "shift_factor", None) is not None:
+            scaled = scaled + vae.config.shift_factor
+        scaled = scaled.to(vae.dtype)
         image = vae.decode(scaled, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
@@ -208,7 +213,7 @@ class FastPipeline:
             self.vae.to(memory_format=torch.channels_last)
         self._set("channels_last", "on" if cfg.channels_last else "off")
 
-        lora = any("lora_" in name for name, _ in self.unet.named_modules())
+        lora = _unmerged_lora(self.unet)
         if cfg.fuse_qkv and lora:
             self._set(
                 "fuse_qkv", "fallback: the U-Net has unmerged LoRA layers; merge them first (fuse_lora)"
@@ -443,6 +448,19 @@ class FastPipeline:
     def clear(self) -> None:
         """Drop the captured loops (and their memory pools)."""
         self._loops.clear()
+
+
+def _unmerged_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds PEFT LoRA layers that are not merged into their base weights.
+
+    Merged LoRA (``fuse_lora``) is plain weights to every switch; unmerged adapters add a side
+    branch that fused projections and fp8 layers would silently drop.
+    """
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # no peft, no adapters
+        return False
+    return any(isinstance(m, BaseTunerLayer) and not m.merged for m in model.modules())
 
 
 def _generators(

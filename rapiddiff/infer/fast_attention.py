@@ -172,6 +172,7 @@ def fuse_qkv(model: torch.nn.Module) -> int:
             )
             start = 0
             for part in parts:
+                part = getattr(part, "base_layer", part)  # a (merged) PEFT LoRA wrapper: its base Linear
                 rows = part.weight.shape[0]
                 part.weight = torch.nn.Parameter(fused.weight[start : start + rows], requires_grad=False)
                 if part.bias is not None:

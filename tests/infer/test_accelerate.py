@@ -195,3 +195,33 @@ def test_backend_table_round_trips(tmp_path):
     save_backend_table(tmp_path / "cache.bin", table)
     assert load_backend_table(tmp_path / "cache.bin") == table
     assert load_backend_table(tmp_path / "other.bin") == {}
+
+
+def test_lora_merged_works_and_unmerged_falls_back(tiny_folder):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
+    )
+
+    def with_lora(merge: bool) -> StableDiffusionPipeline:
+        pipe = _pipe(tiny_folder)
+        torch.manual_seed(5)
+        pipe.unet.add_adapter(lora)
+        if merge:
+            pipe.unet.fuse_lora()
+        return pipe
+
+    gen = torch.Generator().manual_seed(0)
+    ref = with_lora(False)(PROMPT, num_inference_steps=STEPS, generator=gen, output_type="latent").images
+    plain, _ = _eager(tiny_folder)
+    assert float((ref - plain).norm() / plain.norm()) > 1e-3  # the adapter changes the image
+
+    merged = accelerate(with_lora(True), compile_unet=None, compile_vae=None)
+    assert merged.report["fuse_qkv"].startswith("on")
+    out = merged(PROMPT, num_inference_steps=STEPS, seed=0, output_type="np")
+    assert float((out.latents - ref).norm() / ref.norm()) < 1e-4
+
+    unmerged = accelerate(with_lora(False), compile_unet=None, compile_vae=None)
+    assert "LoRA" in unmerged.report["fuse_qkv"] and unmerged.report["fuse_qkv"].startswith("fallback")
+    out = unmerged(PROMPT, num_inference_steps=STEPS, seed=0, output_type="np")
+    assert float((out.latents - ref).norm() / ref.norm()) < 1e-4
