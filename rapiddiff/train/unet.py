@@ -375,7 +375,8 @@ class LatentDiffusion(RapidModule):
             dataset, batch_size=loader.batch_size, num_workers=loader.num_workers, shuffle=False
         )
         cache: torch.Tensor | None = None
-        for batch in tqdm(plain, desc="caching latents", disable=not self.trainer.is_global_zero):
+        quiet = self._trainer is not None and not self.trainer.is_global_zero
+        for batch in tqdm(plain, desc="caching latents", disable=quiet):
             params = self.vae.encode(
                 batch["pixel_values"].to(self.device, self.vae.dtype)
             ).latent_dist.parameters

@@ -36,18 +36,18 @@ def test_runs_from_config_and_exports_a_diffusers_folder(data: Path, tmp_path: P
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+def uninterrupted(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
     root = tmp_path_factory.mktemp("whole")
     record = "--trainer.callbacks+=tests.train.helpers.RecordLosses"
     unet_stage.cli_main(
         [*tiny_unet_args(data, root, 5), record, f"--trainer.callbacks.path={root / 'a.txt'}"]
     )
-    return read_losses(root / "a.txt")
+    return read_losses(root / "a.txt"), root / "model"
 
 
 @pytest.mark.parametrize("stop", [3, 2])  # 2 batches an epoch: mid-epoch, and at an epoch's end
 def test_ctrl_c_saves_and_resume_reproduces_the_uninterrupted_losses(
-    data: Path, tmp_path: Path, uninterrupted: dict[int, float], stop: int
+    data: Path, tmp_path: Path, uninterrupted: tuple[dict[int, float], Path], stop: int
 ) -> None:
     parts = tmp_path / "parts"
     record = "--trainer.callbacks+=tests.train.helpers.RecordLosses"
@@ -72,10 +72,16 @@ def test_ctrl_c_saves_and_resume_reproduces_the_uninterrupted_losses(
         ]
     )
     assert sorted(read_losses(tmp_path / "c.txt")) == list(range(stop + 1, 6))  # it went on from `stop`
-    expected = uninterrupted
+    expected, whole_model = uninterrupted
     resumed = {**read_losses(tmp_path / "b.txt"), **read_losses(tmp_path / "c.txt")}
     assert sorted(resumed) == sorted(expected) == [1, 2, 3, 4, 5]
-    assert resumed == expected  # exactly: same data order, noise, optimizer and EMA state
+    assert resumed == expected  # exactly: same data order, noise and optimizer state
+    # The exported weights are the EMA's: equal only if the EMA state was restored too.
+    from safetensors.torch import load_file
+
+    ours = load_file(parts / "model" / "unet" / "diffusion_pytorch_model.safetensors")
+    theirs = load_file(whole_model / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data: Path, tmp_path: Path) -> None:
@@ -152,3 +158,26 @@ def test_v_prediction_min_snr_and_noise_offset(data: Path) -> None:
     plain = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
     weighted = module.diffusion_loss(pred, noise, t)
     assert weighted < plain.mean()
+
+
+def test_caption_dropout_and_latent_cache(data: Path) -> None:
+    from rapiddiff.train.data import ImageTextData
+
+    module = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny", ema=None)
+    captions = ["一", "二", "三"]
+    assert module.drop_captions(captions) != [""] * 3 or module.loss_cfg.caption_dropout == 1
+    object.__setattr__(module, "loss_cfg", unet_stage.DiffusionLoss(caption_dropout=1.0))
+    assert module.drop_captions(captions) == ["", "", ""]
+    object.__setattr__(module, "loss_cfg", unet_stage.DiffusionLoss(caption_dropout=0.0))
+    assert module.drop_captions(captions) == captions
+
+    dm = ImageTextData(str(data), image_size=16, batch_size=2, num_workers=0)
+    dm.setup("fit")
+    loader = torch.utils.data.DataLoader(dm.train_set, batch_size=3)
+    batch = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=2, shuffle=True)))
+    torch.manual_seed(1)
+    direct = module.encode_images(batch)
+    module._latents = module._encode_dataset(loader)  # what cache_latents does at train start
+    torch.manual_seed(1)
+    cached = module.encode_images(batch)
+    torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,38 @@
+"""Shared plumbing: atomic checkpoint writes and the resumable sampler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapiddiff.train.common import AtomicCheckpointIO, ResumableSampler
+
+
+def test_checkpoint_write_is_atomic(tmp_path: Path) -> None:
+    io = AtomicCheckpointIO()
+    path = tmp_path / "ckpts" / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch.save raises for an unpicklable object
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "bad": lambda: None}, path)
+    assert torch.equal(
+        torch.load(path, weights_only=True)["state_dict"]["w"], torch.ones(3)
+    )  # old file intact
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary left behind
+
+
+def test_sampler_shards_ranks_and_resumes_at_a_batch() -> None:
+    done = {"batches": 0}
+    ranks = [
+        ResumableSampler(10, batch_size=2, rank=r, world_size=2, seed=3, position=lambda: done["batches"])
+        for r in range(2)
+    ]
+    epoch0 = [list(s) for s in ranks]
+    assert len(epoch0[0]) == len(epoch0[1]) == 5
+    assert set(epoch0[0]) | set(epoch0[1]) == set(range(10))
+    done["batches"] = 2  # 2 of the 2 full batches per epoch: the next iter is epoch 1
+    assert list(ranks[0]) != epoch0[0]
+    done["batches"] = 3  # one batch into epoch 1
+    epoch1 = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=3, position=lambda: 2)
+    assert list(ranks[0]) == list(epoch1)[2:]
