@@ -234,6 +234,11 @@ class LatentDiffusion(RapidModule):
     def setup(self, stage: str) -> None:
         # Frozen parts run in the training precision's dtype, as train_text_to_image.py casts
         # vae/text_encoder to weight_dtype: half the memory, no per-op casts.
+        if self.ema is not None and "FSDP" in type(self.trainer.strategy).__name__:
+            # diffusers' EMAModel keeps full copies of parameters that FSDP shards: not supported.
+            raise ValueError(
+                "model.ema cannot be combined with the FSDP strategy: set `model.ema: null` or use ddp"
+            )
         dtype = frozen_dtype(str(self.trainer.precision))
         self.vae.to(dtype=dtype)
         if "text_encoder" not in self.trained:

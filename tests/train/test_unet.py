@@ -19,7 +19,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_runs_from_config_and_exports_a_diffusers_folder(data: Path, tmp_path: Path) -> None:
     root = tmp_path / "run"
-    unet_stage.cli_main(tiny_unet_args(data, root, max_steps=3))
+    # bf16-mixed as the shipped config: frozen VAE and text tower run in bf16, the U-Net in fp32.
+    unet_stage.cli_main([*tiny_unet_args(data, root, max_steps=3), "--trainer.precision=bf16-mixed"])
     names = {p.name for p in (root / "checkpoints").glob("*.ckpt")}
     assert names >= {"step=0000002.ckpt", "last.ckpt"}
     assert (root / "checkpoints" / "config.yaml").is_file()  # the resolved config beside them
@@ -30,6 +31,10 @@ def test_runs_from_config_and_exports_a_diffusers_folder(data: Path, tmp_path: P
     pipe = StableDiffusionPipeline.from_pretrained(root / "model", safety_checker=None)
     assert pipe.unet.config.cross_attention_dim == 32
     assert (root / "model" / "training_config.yaml").is_file()
+    from safetensors.torch import load_file
+
+    vae_weights = load_file(root / "model" / "vae" / "diffusion_pytorch_model.safetensors")
+    assert {t.dtype for t in vae_weights.values()} == {torch.float32}  # saved in full precision again
     # The exported U-Net is the EMA of the trained weights, not the init.
     fresh = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny")
     assert not torch.equal(pipe.unet.conv_in.weight, fresh.unet.conv_in.weight)
@@ -181,3 +186,38 @@ def test_caption_dropout_and_latent_cache(data: Path) -> None:
     torch.manual_seed(1)
     cached = module.encode_images(batch)
     torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-5)
+
+
+def test_knowledge_fusion_trains_with_the_unet_and_is_exported(data: Path, tmp_path: Path) -> None:
+    from rapiddiff.kg.store import KnowledgeStore
+    from rapiddiff.models.bundle import load_model_folder
+    from rapiddiff.train.data import ImageTextData
+
+    store = KnowledgeStore.from_arrays(
+        ["番茄", "红色", "圆形"],
+        ["颜色", "形状"],
+        torch.randn(3, 8),
+        torch.randn(2, 8),
+        triples=[(0, 0, 1), (0, 1, 2)],
+    )
+    store.save(tmp_path / "kg")
+    module = unet_stage.LatentDiffusion(
+        unet="tiny",
+        vae="tiny",
+        text_encoder="tiny",
+        knowledge=str(tmp_path / "kg"),
+        trainable=["unet", "fusion"],
+    )
+    dm = ImageTextData(str(data), image_size=16, batch_size=2, num_workers=0)
+    dm.setup("fit")
+    batch = next(
+        iter(torch.utils.data.DataLoader(dm.train_set, batch_size=4))
+    )  # captions name 番茄, 红色, 圆形
+    object.__setattr__(module, "loss_cfg", unet_stage.DiffusionLoss(caption_dropout=0.0))
+    module.training_step(batch, 0).backward()
+    gates = module.text_encoder.fusion.gates
+    assert gates.grad is not None and gates.grad.abs().sum() > 0  # knowledge reaches the loss
+    assert module.text_encoder.text_model.embeddings.word_embeddings.weight.grad is None  # tower frozen
+    module.export(tmp_path / "model")
+    bundle = load_model_folder(tmp_path / "model")
+    assert bundle.text_encoder.store is not None and bundle.text_encoder.has_knowledge
