@@ -34,7 +34,13 @@ from rapiddiff.infer.fast_cache import (
 )
 from rapiddiff.infer.fast_fp8 import fp8_supported, quantize_linears
 from rapiddiff.infer.fast_loop import DenoiseLoop
-from rapiddiff.infer.fast_plan import LinearPlan, PlanUnsupported, linear_plan
+from rapiddiff.infer.fast_plan import (
+    ClippedDDIMPlan,
+    LinearPlan,
+    PlanUnsupported,
+    clipped_ddim_plan,
+    linear_plan,
+)
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -175,7 +181,7 @@ class FastPipeline:
         self.report: dict[str, str] = {}
         self._backends: dict[fast_attention.ShapeKey, str] = {}
         self._loops: dict[tuple, DenoiseLoop] = {}
-        self._plans: dict[tuple, LinearPlan | str] = {}
+        self._plans: dict[tuple, LinearPlan | ClippedDDIMPlan | str] = {}
         self._cache_state = "none"
         self._apply()
 
@@ -298,14 +304,14 @@ class FastPipeline:
             self._set("compile_text_encoder", "off")
 
     # ---- running --------------------------------------------------------------------------------
-    def _plan(self, steps: int) -> LinearPlan | str:
-        key = (type(self.pipe.scheduler).__name__, str(dict(self.pipe.scheduler.config)), steps)
+    def _plan(self, steps: int) -> LinearPlan | ClippedDDIMPlan | str:
+        """The GPU loop's plan for the pipeline's scheduler, or the reason there is none."""
+        scheduler = self.pipe.scheduler
+        key = (type(scheduler).__name__, str(dict(scheduler.config)), steps)
         if key not in self._plans:
-            try:
-                self._plans[key] = linear_plan(self.pipe.scheduler, steps)
-            except PlanUnsupported as err:
-                self._plans[key] = str(err)
-                log.warning("accelerate: eager loop for %s: %s", type(self.pipe.scheduler).__name__, err)
+            self._plans[key] = _make_plan(scheduler, steps)
+            if isinstance(self._plans[key], str):
+                log.warning("accelerate: eager loop for %s: %s", type(scheduler).__name__, self._plans[key])
         return self._plans[key]
 
     def _unet_fn(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, kv: Any) -> torch.Tensor:
@@ -448,6 +454,17 @@ class FastPipeline:
     def clear(self) -> None:
         """Drop the captured loops (and their memory pools)."""
         self._loops.clear()
+
+
+def _make_plan(scheduler: Any, steps: int) -> LinearPlan | ClippedDDIMPlan | str:
+    try:
+        return linear_plan(scheduler, steps)
+    except PlanUnsupported as err:
+        reason = str(err)
+    try:  # DDIM with clip_sample (diffusers' default for DDIM): its own GPU formula
+        return clipped_ddim_plan(scheduler, steps)
+    except PlanUnsupported:
+        return reason
 
 
 def _unmerged_lora(model: torch.nn.Module) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rapiddiff.infer.fast_plan import LinearPlan
+from rapiddiff.infer.fast_plan import ClippedDDIMPlan, LinearPlan, ddim_step
 
 UNetFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
@@ -31,7 +31,7 @@ class DenoiseLoop:
     def __init__(
         self,
         unet_fn: UNetFn,
-        plan: LinearPlan,
+        plan: LinearPlan | ClippedDDIMPlan,
         *,
         noise_shape: tuple[int, ...],
         context_shape: tuple[int, ...],
@@ -46,13 +46,18 @@ class DenoiseLoop:
             raise ValueError("graph=True needs a CUDA device")
         self.unet_fn, self.kv_fn, self.decode_fn = unet_fn, kv_fn, decode_fn
         self.noise_shape, self.guidance, self.model_dtype = noise_shape, guidance, model_dtype
+        self.plan = plan
         self.n = plan.num_evaluations
         numel = int(torch.Size(noise_shape).numel())
         f32 = torch.float32
-        self.coefs = plan.coefs.to(device=device, dtype=f32)  # (n+1, n+1)
-        self.scales = plan.input_scales.to(device=device, dtype=f32)  # (n,)
         self.timesteps = plan.timesteps.to(device)  # (n,)
-        self.basis = torch.zeros(self.n + 1, numel, device=device, dtype=f32)  # x_T, out_0 .. out_{n-1}
+        if isinstance(plan, LinearPlan):
+            self.coefs = plan.coefs.to(device=device, dtype=f32)  # (n+1, n+1)
+            self.scales = plan.input_scales.to(device=device, dtype=f32)  # (n,)
+            self.basis = torch.zeros(self.n + 1, numel, device=device, dtype=f32)  # x_T, out_0 .. out_{n-1}
+        else:  # clipped DDIM: the state is the latent itself; row 0 of basis holds the noise
+            self.consts = plan.consts.to(device=device, dtype=f32)  # (n, 4)
+            self.basis = torch.zeros(1, numel, device=device, dtype=f32)
         self.context = torch.zeros(context_shape, device=device, dtype=model_dtype)  # (2B or B, L, D)
         self.scale = torch.ones((), device=device, dtype=f32)
         self.latents = torch.zeros(noise_shape, device=device, dtype=f32)
@@ -63,23 +68,37 @@ class DenoiseLoop:
     def run(self) -> None:
         """All steps (and the decode), reading and writing only the static buffers."""
         kv = self.kv_fn(self.context) if self.kv_fn is not None else None
+        linear = isinstance(self.plan, LinearPlan)
+        x = self.basis[0].view(self.noise_shape)
         for i in range(self.n):
-            # x_i as the scheduler would have it: a fixed combination of the noise and past outputs.
-            x = (self.coefs[i, : i + 1] @ self.basis[: i + 1]).view(self.noise_shape)
-            x_in = (x * self.scales[i]).to(self.model_dtype)
-            if self.guidance:
-                x_in = torch.cat([x_in, x_in])
-            out = self.unet_fn(x_in, self.timesteps[i], self.context, kv).float()
-            if self.guidance:
-                uncond, cond = out.chunk(2)
-                out = uncond + self.scale * (cond - uncond)
-            self.basis[i + 1].copy_(out.reshape(-1))
-        self.latents.copy_((self.coefs[self.n] @ self.basis).view(self.noise_shape))
+            if linear:
+                # x_i as the scheduler would have it: a fixed combination of the noise and past outputs.
+                x = (self.coefs[i, : i + 1] @ self.basis[: i + 1]).view(self.noise_shape)
+                x_in = (x * self.scales[i]).to(self.model_dtype)
+            else:
+                x_in = x.to(self.model_dtype)
+            out = self._guided(x_in, i, kv)
+            if linear:
+                self.basis[i + 1].copy_(out.reshape(-1))
+            else:
+                x = ddim_step(self.plan, self.consts[i], x, out)
+        if linear:
+            x = (self.coefs[self.n] @ self.basis).view(self.noise_shape)
+        self.latents.copy_(x)
         if self.decode_fn is not None:
             images = self.decode_fn(self.latents)
             if self.images is None:
                 self.images = torch.empty_like(images)
             self.images.copy_(images)
+
+    def _guided(self, x_in: torch.Tensor, i: int, kv: Any) -> torch.Tensor:
+        if self.guidance:
+            x_in = torch.cat([x_in, x_in])
+        out = self.unet_fn(x_in, self.timesteps[i], self.context, kv).float()
+        if self.guidance:
+            uncond, cond = out.chunk(2)
+            out = uncond + self.scale * (cond - uncond)
+        return out
 
     def capture(self) -> None:
         """Warm up on a side stream (compilation, cuBLAS/cuDNN handles), then record one graph."""

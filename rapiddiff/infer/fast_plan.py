@@ -132,3 +132,86 @@ def _check_linear(scheduler: Any, plan: LinearPlan, num_inference_steps: int) ->
                 f"{type(scheduler).__name__}'s update is not linear in (sample, model output): "
                 f"step {i} differs by {err:.2e} (stochastic or clipped update?)"
             )
+
+
+@dataclass(frozen=True)
+class ClippedDDIMPlan:
+    """DDIM (eta 0) with ``clip_sample``: x0 is clamped each step, so no coefficient table exists.
+
+    Each step is still a fixed formula with per-step constants:
+    ``x0 = clamp((x - √(1-ᾱ_t)·ε) / √ᾱ_t)``, ``x_prev = √ᾱ_prev·x0 + √(1-ᾱ_prev)·ε``
+    (v-prediction converts first). The constants live on the GPU like the table does.
+    """
+
+    timesteps: torch.Tensor  # (n,)
+    consts: torch.Tensor  # (n, 4) float64: √ᾱ_t, √(1-ᾱ_t), √ᾱ_prev, √(1-ᾱ_prev)
+    clip: float
+    v_prediction: bool
+
+    @property
+    def num_evaluations(self) -> int:
+        return int(self.timesteps.numel())
+
+
+def clipped_ddim_plan(scheduler: Any, num_inference_steps: int) -> ClippedDDIMPlan:
+    """The per-step constants of a clipping DDIM scheduler; raises :class:`PlanUnsupported` otherwise."""
+    name = type(scheduler).__name__
+    config = getattr(scheduler, "config", {})
+    if name != "DDIMScheduler" or not config.get("clip_sample", False):
+        raise PlanUnsupported(f"{name} is not a clipping DDIM scheduler")
+    if config.get("thresholding", False):
+        raise PlanUnsupported("DDIMScheduler with thresholding=True (a per-sample quantile) has no GPU loop")
+    if config.get("prediction_type", "epsilon") not in ("epsilon", "v_prediction"):
+        raise PlanUnsupported(f"DDIMScheduler prediction_type={config['prediction_type']} has no GPU loop")
+    probe = copy.deepcopy(scheduler)
+    probe.set_timesteps(num_inference_steps, device="cpu")
+    alphas = probe.alphas_cumprod.to(torch.float64)
+    final = float(probe.final_alpha_cumprod)
+    ratio = probe.config.num_train_timesteps // probe.num_inference_steps
+    rows = []
+    for t in probe.timesteps.tolist():
+        a_t = float(alphas[t])
+        prev = t - ratio
+        a_prev = float(alphas[prev]) if prev >= 0 else final
+        rows.append([a_t**0.5, (1 - a_t) ** 0.5, a_prev**0.5, (1 - a_prev) ** 0.5])
+    plan = ClippedDDIMPlan(
+        timesteps=probe.timesteps.clone(),
+        consts=torch.tensor(rows, dtype=torch.float64),
+        clip=float(config.get("clip_sample_range", 1.0)),
+        v_prediction=config.get("prediction_type") == "v_prediction",
+    )
+    _check_ddim(scheduler, plan, num_inference_steps)
+    return plan
+
+
+def ddim_step(
+    plan: ClippedDDIMPlan, consts: torch.Tensor, x: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """One clipped DDIM step with this step's constants (a (4,) tensor on the latents' device)."""
+    sa, s1ma, sa_prev, s1ma_prev = consts.unbind()
+    if plan.v_prediction:
+        x0 = sa * x - s1ma * out
+        eps = sa * out + s1ma * x
+    else:
+        x0 = (x - s1ma * out) / sa
+        eps = out
+    x0 = x0.clamp(-plan.clip, plan.clip)
+    return sa_prev * x0 + s1ma_prev * eps
+
+
+def _check_ddim(scheduler: Any, plan: ClippedDDIMPlan, num_inference_steps: int) -> None:
+    """Replay the real scheduler with outputs large enough to clip, and compare (float64)."""
+    gen = torch.Generator().manual_seed(4321)
+    real = copy.deepcopy(scheduler)
+    real.set_timesteps(num_inference_steps, device="cpu")
+    x = torch.randn(2, 3, generator=gen, dtype=torch.float64) * 3
+    ours = x.clone()
+    for i, t in enumerate(real.timesteps):
+        out = torch.randn(2, 3, generator=gen, dtype=torch.float64) * 3
+        x = real.step(out, t, x, return_dict=False)[0].to(torch.float64)
+        ours = ddim_step(plan, plan.consts[i], ours, out)
+        err = float((x - ours).norm() / x.norm().clamp_min(1e-12))
+        if not err < 1e-6:
+            raise PlanUnsupported(
+                f"DDIMScheduler step {i} differs from the clipped-DDIM formula by {err:.2e}"
+            )

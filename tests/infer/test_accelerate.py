@@ -25,7 +25,7 @@ from rapiddiff.infer.fast_attention import FastAttnProcessor, attention_shapes  
 from rapiddiff.infer.fast_cache import load_backend_table, save_backend_table  # noqa: E402
 from rapiddiff.infer.fast_fp8 import Fp8Linear  # noqa: E402
 from rapiddiff.infer.fast_loop import DenoiseLoop  # noqa: E402
-from rapiddiff.infer.fast_plan import PlanUnsupported, linear_plan  # noqa: E402
+from rapiddiff.infer.fast_plan import PlanUnsupported, clipped_ddim_plan, linear_plan  # noqa: E402
 from rapiddiff.models.presets import scheduler_config, write_tiny_sd_folder  # noqa: E402
 
 PROMPT = "一只红色的番茄"
@@ -140,14 +140,48 @@ def test_fused_qkv_costs_no_memory(tiny_folder):
 
 
 def test_scheduler_without_a_plan_runs_the_eager_loop(tiny_folder, caplog):
-    clipped = DDIMScheduler.from_config(scheduler_config())  # clip_sample=True: not linear
-    ref_latents, _ = _eager(tiny_folder, clipped)
+    thresholded = DDIMScheduler.from_config(scheduler_config(), thresholding=True)  # per-sample quantile
+    ref_latents, _ = _eager(tiny_folder, thresholded)
     pipe = _pipe(tiny_folder)
-    pipe.scheduler = clipped
+    pipe.scheduler = thresholded
     fast = accelerate(pipe, compile_unet=None, compile_vae=None)
     with caplog.at_level(logging.WARNING, logger="rapiddiff"):
         out = fast(PROMPT, num_inference_steps=STEPS, seed=0, output_type="np")
-    assert any("eager loop" in r.getMessage() and "clip_sample" in r.getMessage() for r in caplog.records)
+    assert any("eager loop" in r.getMessage() and "thresholding" in r.getMessage() for r in caplog.records)
+    assert float((out.latents - ref_latents).norm() / ref_latents.norm()) < 1e-4
+
+
+def test_clipping_ddim_runs_on_the_gpu_loop(tiny_folder, caplog):
+    clipped = DDIMScheduler.from_config(scheduler_config())  # diffusers' default: clip_sample=True
+    plan = clipped_ddim_plan(clipped, 6)
+    noise = torch.randn(2, 4, 3, 3) * 2
+    ref = DDIMScheduler.from_config(clipped.config)
+    ref.set_timesteps(6)
+    x, clipped_any = noise.double(), False
+    for t in ref.timesteps:
+        out = 3 * _model(x, t)
+        a = ref.alphas_cumprod[t].double()
+        clipped_any |= bool((((x - (1 - a).sqrt() * out) / a.sqrt()).abs() > 1).any())
+        x = ref.step(out, t, x, return_dict=False)[0]
+    assert clipped_any  # the check is only meaningful if clipping happened
+    loop = DenoiseLoop(
+        lambda x_in, t, context, kv: 3 * _model(x_in.double(), t).float(),
+        plan,
+        noise_shape=tuple(noise.shape),
+        context_shape=(2, 5, 8),
+        model_dtype=torch.float32,
+        device=torch.device("cpu"),
+        guidance=False,
+    )
+    latents, _ = loop(noise, torch.zeros(2, 5, 8), 1.0)
+    assert float((latents.double() - x).norm() / x.norm()) < 1e-5
+    # And through accelerate, against the diffusers pipeline with the same scheduler: no eager fallback.
+    ref_latents, _ = _eager(tiny_folder, clipped)
+    pipe = _pipe(tiny_folder)
+    pipe.scheduler = clipped
+    with caplog.at_level(logging.WARNING, logger="rapiddiff"):
+        out = accelerate(pipe, compile_unet=None, compile_vae=None)(PROMPT, num_inference_steps=STEPS, seed=0)
+    assert not any("eager loop" in r.getMessage() for r in caplog.records)
     assert float((out.latents - ref_latents).norm() / ref_latents.norm()) < 1e-4
 
 
