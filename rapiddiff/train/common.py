@@ -505,6 +505,7 @@ def run_cli(
     *,
     description: str,
     trainer_defaults: dict[str, Any] | None = None,
+    prog: str | None = None,
 ) -> RapidCLI:
     """Parse ``args``, fit, and export the final model when the run completed (not on Ctrl-C)."""
     defaults = {"max_steps": 1000, "log_every_n_steps": 10, **(trainer_defaults or {})}
@@ -512,7 +513,8 @@ def run_cli(
         # `rapiddiff train <stage>` hands LightningCLI its args while sys.argv holds the whole
         # command (which DDP's launcher must see unchanged); the warning about both is noise here.
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-        cli = _make_cli(model_class, datamodule_class, args, description, defaults)
+        parser_kwargs = {"description": description, **({"prog": prog} if prog else {})}
+        cli = _make_cli(model_class, datamodule_class, args, parser_kwargs, defaults)
     trainer, model = cli.trainer, cli.model
     for callback in trainer.checkpoint_callbacks:
         # Resolved now, not in setup: `--ckpt_path last` looks for last.ckpt before setup runs.
@@ -535,7 +537,7 @@ def _make_cli(
     model_class: type[RapidModule],
     datamodule_class: type[pl.LightningDataModule],
     args: list[str] | None,
-    description: str,
+    parser_kwargs: dict[str, Any],
     defaults: dict[str, Any],
 ) -> RapidCLI:
     return RapidCLI(
@@ -546,6 +548,6 @@ def _make_cli(
         save_config_callback=SaveConfigBesideCheckpoints,
         save_config_kwargs={"overwrite": True},
         trainer_defaults=defaults,
-        parser_kwargs={"description": description},
+        parser_kwargs=parser_kwargs,
         auto_configure_optimizers=False,
     )

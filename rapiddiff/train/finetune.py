@@ -291,6 +291,7 @@ def cli_main(args: list[str] | None = None) -> RapidCLI | None:
         FineTune,
         ImageTextData,
         args,
+        prog="rapiddiff train finetune",
         description=(
             "Fine-tune a model folder (rapiddiff, Taiyi, SD 1.x) on an image–caption folder, fully or "
             "with LoRA. `rapiddiff train finetune merge --help` folds a LoRA into its base."

@@ -562,5 +562,6 @@ def cli_main(args: list[str] | None = None) -> RapidCLI:
         LatentDiffusion,
         ImageTextData,
         args,
+        prog="rapiddiff train unet",
         description="Train a latent-diffusion U-Net on the knowledge-enhanced text encoder.",
     )

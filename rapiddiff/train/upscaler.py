@@ -141,5 +141,6 @@ def cli_main(args: list[str] | None = None) -> RapidCLI:
         UpscalerTraining,
         PairedImageData,
         args,
+        prog="rapiddiff train upscaler",
         description="Train an ESRGAN RRDB upscaler on low/high-resolution pairs (L1, optional PatchGAN).",
     )

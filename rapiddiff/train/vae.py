@@ -180,5 +180,6 @@ def cli_main(args: list[str] | None = None) -> RapidCLI:
         VAETraining,
         ImageTextData,
         args,
+        prog="rapiddiff train vae",
         description="Train or fine-tune an AutoencoderKL (reconstruction + KL, optional SSIM and PatchGAN).",
     )
