@@ -269,17 +269,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         free(device)
         torch.manual_seed(0)
         print(f"[{name}] ...", file=sys.stderr, flush=True)
-        if name == "reference":
-            measured = run_reference(args, device, items)
-        else:
-            measured = run_rapiddiff(args, device, items, VARIANTS[name])
+        try:
+            if name == "reference":
+                measured = run_reference(args, device, items)
+            else:
+                measured = run_rapiddiff(args, device, items, VARIANTS[name])
+        except Exception as err:  # one failing variant (e.g. compile) must not lose the others
+            print(f"[{name}] failed: {err!r}", file=sys.stderr, flush=True)
+            results.append(
+                {"variant": name, "images_per_s": None, "error": repr(err)[:500], "peak_memory_gib": None}
+            )
+            continue
         images_per_s = args.steps * args.batch / measured["seconds"]
         row = {"variant": name, "images_per_s": images_per_s, **measured}
         print(f"[{name}] {images_per_s:.2f} images/s", file=sys.stderr, flush=True)
         results.append(row)
     reference = next((r["images_per_s"] for r in results if r["variant"] == "reference"), None)
     for row in results:
-        row["vs_reference"] = row["images_per_s"] / reference if reference else None
+        row["vs_reference"] = row["images_per_s"] / reference if reference and row["images_per_s"] else None
     report = {
         "benchmark": "train_unet_throughput",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -309,7 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in results:
         ratio = f"{row['vs_reference']:.2f}" if row["vs_reference"] else "–"
         memory = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "–"
-        lines.append(f"| {row['variant']} | {row['images_per_s']:.2f} | {ratio} | {memory} |")
+        speed = (
+            f"{row['images_per_s']:.2f}" if row["images_per_s"] else f"failed: {row.get('error', '')[:60]}"
+        )
+        lines.append(f"| {row['variant']} | {speed} | {ratio} | {memory} |")
     (out / "train_unet_throughput.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return report
