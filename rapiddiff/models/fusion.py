@@ -84,6 +84,10 @@ class KnowledgeFusion(nn.Module):
         )
         self.out_proj = nn.ModuleList(nn.Linear(width, config.hidden_size) for _ in range(config.num_layers))
         self.gates = nn.Parameter(torch.zeros(config.num_layers))
+        # Training-only regulariser (like nn.Dropout's p, not part of the saved architecture): each
+        # knowledge item is dropped with this probability, so no single item (e.g. the entity's
+        # own vector, which a held-out entity's training never shaped) carries the signal alone.
+        self.item_dropout = 0.0
         # The store's tables: not learned and saved with the store, so not persistent here.
         self.register_buffer("entity_vectors", torch.zeros(0, config.kg_dim), persistent=False)
         self.register_buffer("relation_vectors", torch.zeros(0, config.kg_dim), persistent=False)
@@ -127,6 +131,9 @@ class KnowledgeFusion(nn.Module):
     def entity_features(self, entity_ids: torch.Tensor) -> torch.Tensor:
         """Pooled knowledge of entities [E] → [E, mlp_dim] (masked mean of the shared MLP)."""
         items, mask = self.entity_items(entity_ids)
+        if self.training and self.item_dropout > 0:
+            kept = mask & (torch.rand(mask.shape, device=mask.device) >= self.item_dropout)
+            mask = torch.where(kept.any(1, keepdim=True), kept, mask)  # never drop every item
         h = self.item_mlp(items)  # (E, 1 + K, W)
         m = mask.unsqueeze(-1).to(h.dtype)
         return (h * m).sum(1) / m.sum(1)

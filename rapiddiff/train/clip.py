@@ -100,6 +100,8 @@ class CLIPTraining(RapidModule):
         fusion_layers: encoder layers whose input receives knowledge.
         max_relations: ``e + r`` items per entity.
         entity_token_dropout: chance that an entity mention's tokens are hidden (knowledge on only).
+        knowledge_item_dropout: chance that one of an entity's knowledge items (``e``, ``e + r``)
+            is left out of its pooled knowledge during training.
         freeze: what not to train: the image tower, the text tower, or all but the fusion.
         lr: learning rate of the towers and heads.
         fusion_lr: learning rate of the fusion module and gates (default: lr).
@@ -122,6 +124,7 @@ class CLIPTraining(RapidModule):
         fusion_layers: list[int] | None = None,
         max_relations: int = 8,
         entity_token_dropout: float = 0.5,
+        knowledge_item_dropout: float = 0.0,
         freeze: Freeze = "none",
         lr: float = 5e-4,
         fusion_lr: float | None = None,
@@ -145,6 +148,8 @@ class CLIPTraining(RapidModule):
             fusion_layers=list(fusion_layers) if fusion_layers is not None else [0],
             max_relations=max_relations,
         )
+        if self.model.text_encoder.fusion is not None:
+            self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
         self._apply_freeze(freeze)
 
     # ------------------------------------------------------------------ setup

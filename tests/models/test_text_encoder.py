@@ -182,3 +182,19 @@ def test_relation_table_keeps_distinct_relations_per_head():
     triples = torch.tensor([[0, 1, 2], [0, 0, 3], [0, 1, 4], [2, 2, 0], [0, 2, 1]])
     table = relation_table(triples, num_entities=3, max_relations=2)
     assert table.tolist() == [[0, 1], [-1, -1], [2, -1]]
+
+
+def test_knowledge_item_dropout_acts_only_in_training_and_never_empties_an_entity(store):
+    from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
+
+    fusion = KnowledgeFusion(FusionConfig(kg_dim=8, hidden_size=16, max_relations=4))
+    fusion.set_knowledge(store.entity_vectors, store.relation_vectors, store.triples)
+    ids = torch.arange(len(store))
+    reference = fusion.eval().entity_features(ids)
+    fusion.item_dropout = 1.0  # every item drawn for dropping: all are kept instead
+    torch.testing.assert_close(fusion.train().entity_features(ids), reference)
+    fusion.item_dropout = 0.5
+    torch.testing.assert_close(fusion.eval().entity_features(ids), reference)
+    torch.manual_seed(3)
+    dropped = fusion.train().entity_features(ids)
+    assert torch.isfinite(dropped).all() and not torch.allclose(dropped, reference)
