@@ -17,7 +17,10 @@ TRAIN_STAGES: dict[str, tuple[str, str]] = {
     ),
     "vae": ("rapiddiff.train.vae", "an AutoencoderKL for a domain (reconstruction + KL, SSIM, PatchGAN)"),
     "unet": ("rapiddiff.train.unet", "a latent-diffusion U-Net on the knowledge-enhanced text encoder"),
-    "finetune": ("rapiddiff.train.finetune", "fine-tune a model folder (full or LoRA); `finetune merge` folds a LoRA"),
+    "finetune": (
+        "rapiddiff.train.finetune",
+        "fine-tune a model folder (full or LoRA); `finetune merge` folds a LoRA",
+    ),
     "upscaler": ("rapiddiff.train.upscaler", "an ESRGAN RRDB ×4 upscaler on low/high-resolution pairs"),
 }
 

@@ -1,0 +1,340 @@
+"""The whole rapiddiff chain on kshapes, knowledge on and off, from nothing to the built-in model.
+
+    python benchmarks/kshapes_chain.py --out runs/kshapes               # everything (GPU, ~20 min)
+    python benchmarks/kshapes_chain.py --out runs/kshapes --part prep   # data, kg, clip, vae, upscaler
+    python benchmarks/kshapes_chain.py --out runs/kshapes --part unet   # U-Nets, evaluation, the model
+    python benchmarks/kshapes_chain.py --out /tmp/k --smoke             # every stage for a few steps (CPU)
+
+Each stage is the same `rapiddiff` command a user would run, with the stage's shipped config
+(`configs/<stage>/kshapes.yaml`) and this chain's paths and time budget as overrides — the chain's own
+settings are in `configs/kshapes/chain.yaml`. A stage whose output exists is skipped, so a chain cut
+off by a time limit resumes where it stopped (the device tool allows 10 minutes a call: run `--part
+prep`, then `--part unet`). Independent stages run side by side: these models are small and one GPU
+has room for several. Results land in OUT/results/ (JSON + results.md); the built-in model in
+OUT/builtin/ (fp16), ready to copy into rapiddiff/assets/model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rapiddiff.utils.config import load_config  # noqa: E402
+
+
+@dataclass
+class StageBudget:
+    """Wall-clock minutes and step caps for one training stage (Lightning's max_time/max_steps)."""
+
+    minutes: float = 3.0
+    max_steps: int = 100000
+
+
+@dataclass
+class ChainConfig:
+    seed: int = 0
+    """kshapes seed: the data is regenerated identically on any machine from it."""
+    train_images: int = 20000
+    """kshapes training images (128², with 4× pairs for the upscaler)."""
+    workers: int = 4
+    """data-loader workers per training process (several processes run at once)."""
+    clip: StageBudget = field(default_factory=lambda: StageBudget(minutes=3.0))
+    vae: StageBudget = field(default_factory=lambda: StageBudget(minutes=4.0))
+    upscaler: StageBudget = field(default_factory=lambda: StageBudget(minutes=4.0))
+    unet: StageBudget = field(default_factory=lambda: StageBudget(minutes=6.0))
+    eval_images_per_prompt: int = 2
+    """images generated for each kshapes evaluation prompt, knowledge on and off."""
+    eval_steps: int = 25
+    """PNDM steps for the evaluation images (and the built-in model's default)."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="working folder (resumable)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/kshapes/chain.yaml")
+    parser.add_argument("--part", choices=["all", "prep", "unet"], default="all")
+    parser.add_argument("--smoke", action="store_true", help="tiny data, a few steps a stage, CPU")
+    args = parser.parse_args()
+    cfg = load_config(ChainConfig, args.config)
+    chain = Chain(args.out.resolve(), cfg, smoke=args.smoke)
+    if args.part in ("all", "prep"):
+        chain.prep()
+    if args.part in ("all", "unet"):
+        chain.unet_and_eval()
+    chain.write_results()
+    return 0
+
+
+class Chain:
+    def __init__(self, out: Path, cfg: ChainConfig, smoke: bool) -> None:
+        self.out, self.cfg, self.smoke = out, cfg, smoke
+        self.data = out / "data"
+        self.results = out / "results"
+        self.logs = out / "logs"
+        for folder in (self.results, self.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.python = sys.executable
+        self.timings: dict[str, float] = {}
+        self.on_gpu = _has_cuda()
+
+    # ---- running commands -------------------------------------------------------------------
+    def rapiddiff(self, *args: str) -> list[str]:
+        return [self.python, "-m", "rapiddiff", *args]
+
+    def run_parallel(self, jobs: dict[str, list[str]]) -> None:
+        """Start every job, wait for all; a failure names its log and stops the chain."""
+        procs = {}
+        for name, cmd in jobs.items():
+            log = open(self.logs / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+            log.write(" ".join(cmd) + "\n\n")
+            log.flush()
+            print(f"[chain] start {name}", flush=True)
+            procs[name] = (
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT),
+                log,
+                time.time(),
+            )
+        failed = []
+        for name, (proc, log, start) in procs.items():
+            code = proc.wait()
+            log.close()
+            self.timings[name] = round(time.time() - start, 1)
+            print(f"[chain] {name}: exit {code} after {self.timings[name]} s", flush=True)
+            if code != 0:
+                failed.append(name)
+        if failed:
+            for name in failed:
+                print(f"----- tail of {self.logs / (name + '.log')}", flush=True)
+                print(
+                    "\n".join((self.logs / f"{name}.log").read_text("utf-8").splitlines()[-40:]), flush=True
+                )
+            raise SystemExit(f"[chain] failed: {', '.join(failed)}")
+
+    def training(self, stage: str, budget: StageBudget, output: Path, *overrides: str) -> list[str]:
+        minutes = 0.3 if self.smoke else budget.minutes
+        seconds = int(minutes * 60)
+        steps = 4 if self.smoke else budget.max_steps
+        precision = "bf16-mixed" if self.on_gpu else "32-true"
+        return self.rapiddiff(
+            "train", stage, "--config", str(ROOT / f"configs/{stage}/kshapes.yaml"),
+            f"--trainer.max_steps={steps}",
+            f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}",
+            f"--trainer.precision={precision}",
+            f"--trainer.default_root_dir={self.out / 'runs' / output.name}",
+            f"--output={output}",
+            f"--data.num_workers={0 if self.smoke else self.cfg.workers}",
+            *(["--data.batch_size=8"] if self.smoke else []),
+            *overrides,
+        )  # fmt: skip
+
+    # ---- the chain ----------------------------------------------------------------------------
+    def prep(self) -> None:
+        self.ensure_data()
+        store = self.out / "kg"
+        if not (store / "config.json").exists():
+            kg_cfg = self.out / "kg.yaml"
+            text = (
+                (ROOT / "configs/kg/kshapes.yaml").read_text("utf-8").replace("data/kshapes", str(self.data))
+            )
+            kg_cfg.write_text(text, "utf-8")
+            extra = ["--epochs", "20"] if self.smoke else []
+            self.run_parallel(
+                {"kg": self.rapiddiff("kg", "train", "--config", str(kg_cfg), "--out", str(store), *extra)}
+            )
+        jobs = {}
+        data = [f"--data.train={self.data / 'train'}", f"--data.val={self.data / 'val'}"]
+        for mode in ("on", "off"):
+            out = self.out / f"clip_{mode}"
+            if not _done(out):
+                knowledge = (
+                    [f"--model.knowledge_store={store}"] if mode == "on" else ["--model.knowledge=false"]
+                )
+                jobs[f"clip_{mode}"] = self.training("clip", self.cfg.clip, out, *data, *knowledge)
+        if not _done(self.out / "vae"):
+            jobs["vae"] = self.training("vae", self.cfg.vae, self.out / "vae", *data)
+        if not _done(self.out / "upscaler"):
+            pairs = [f"--data.train_lr={self.data / 'train'}", f"--data.train_hr={self.data / 'hr/train'}",
+                     f"--data.val_lr={self.data / 'val'}", f"--data.val_hr={self.data / 'hr/val'}"]  # fmt: skip
+            jobs["upscaler"] = self.training("upscaler", self.cfg.upscaler, self.out / "upscaler", *pairs)
+        if jobs:
+            self.run_parallel(jobs)
+        self.recall()
+
+    def recall(self) -> None:
+        lists = self.entity_lists()
+        jobs = {}
+        for train in ("on", "off"):
+            for test in ("on", "off") if train == "on" else ("off",):
+                for split, path in lists.items():
+                    target = self.results / f"recall_clip-{train}_test-{test}_{split}.json"
+                    if not target.exists():
+                        jobs[target.stem] = self.rapiddiff(
+                            "eval", "recall", "--model", str(self.out / f"clip_{train}"), "--data", str(self.data / "test"),
+                            "--knowledge", test, "--filter-entities", str(path), "--out", str(target),
+                        )  # fmt: skip
+        if jobs:
+            self.run_parallel(jobs)
+
+    def unet_and_eval(self) -> None:
+        self.ensure_data()
+        data = [f"--data.train={self.data / 'train'}", f"--data.val={self.data / 'val'}"]
+        jobs = {}
+        for mode in ("on", "off"):
+            out = self.out / f"unet_{mode}"
+            if not _done(out):
+                text = [f"--model.text_encoder={self.out / f'clip_{mode}'}"]
+                if mode == "off":  # no store, so no fusion to train: the U-Net alone
+                    text.append("--model.trainable=[unet]")
+                jobs[f"unet_{mode}"] = self.training(
+                    "unet", self.cfg.unet, out, *data, f"--model.vae={self.out / 'vae'}", *text
+                )
+        if jobs:
+            self.run_parallel(jobs)
+        self.assemble_builtin()
+        self.evaluate()
+
+    def assemble_builtin(self) -> None:
+        """The knowledge-on model, its upscaler beside it, in fp16: what `rapiddiff generate` ships."""
+        builtin = self.out / "builtin"
+        if _done(builtin):
+            return
+        script = (
+            "import sys, torch\n"
+            "from rapiddiff.models.bundle import load_model_folder, save_model_folder\n"
+            "from rapiddiff.models.upscaler import load_upscaler\n"
+            "b = load_model_folder(sys.argv[1], device='cpu', dtype=torch.float16)\n"
+            "b.upscaler = load_upscaler(sys.argv[2]).half()\n"
+            "save_model_folder(b, sys.argv[3])\n"
+        )
+        upscaler = next((self.out / "upscaler").rglob("*.safetensors"))
+        self.run_parallel(
+            {"assemble": [self.python, "-c", script, str(self.out / "unet_on"), str(upscaler), str(builtin)]}
+        )
+
+    def evaluate(self) -> None:
+        steps = "4" if self.smoke else str(self.cfg.eval_steps)
+        per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
+        jobs = {}
+        for mode in ("on", "off"):
+            target = self.results / f"knowledge_unet-{mode}"
+            if not (target / "knowledge.json").exists():
+                # The knowledge-off model has no store: only its own (off) mode exists.
+                modes = "on,off" if mode == "on" else "off"
+                jobs[f"knowledge_{mode}"] = self.rapiddiff(
+                    "eval", "knowledge", "--model", str(self.out / f"unet_{mode}"), "--kshapes", str(self.data),
+                    "--out", str(target), "--steps", steps, "--images-per-prompt", per_prompt, "--modes", modes,
+                )  # fmt: skip
+        if jobs:
+            self.run_parallel(jobs)
+        # FID on the project's own image tower (offline variant, labelled so): generated vs real renders.
+        jobs = {}
+        for mode in ("on", "off"):
+            target = self.results / f"fid_clip_unet-{mode}.json"
+            fake = self.results / f"knowledge_unet-{mode}" / f"knowledge_{mode}"
+            if not target.exists() and fake.exists():
+                jobs[f"fid_{mode}"] = self.rapiddiff(
+                    "eval", "fid", "--real", str(self.data / "test"), "--fake", str(fake), "--extractor", "clip",
+                    "--clip-model", str(self.out / "clip_on"), "--out", str(target),
+                )  # fmt: skip
+        if jobs:
+            self.run_parallel(jobs)
+
+    def ensure_data(self) -> None:
+        if (self.data / "prompts.jsonl").exists():
+            return
+        size = ["--small"] if self.smoke else ["--train", str(self.cfg.train_images)]
+        workers = str(min(16, os.cpu_count() or 1))
+        cmd = self.rapiddiff(
+            "data",
+            "kshapes",
+            "--out",
+            str(self.data),
+            "--seed",
+            str(self.cfg.seed),
+            "--workers",
+            workers,
+            *size,
+        )
+        self.run_parallel({"data": cmd})
+
+    def entity_lists(self) -> dict[str, Path]:
+        held = [
+            n.strip()
+            for n in (self.data / "heldout_entities.txt").read_text("utf-8").splitlines()
+            if n.strip()
+        ]
+        names = json.loads((self.data / "entities.json").read_text("utf-8"))
+        seen = [n for n in names if n not in set(held)]
+        lists = {}
+        for split, members in (("seen", seen), ("heldout", held)):
+            path = self.results / f"{split}_entities.txt"
+            path.write_text("".join(f"{n}\n" for n in members), "utf-8")
+            lists[split] = path
+        return lists
+
+    def write_results(self) -> None:
+        timings = self.results / "timings.json"
+        previous = json.loads(timings.read_text("utf-8")) if timings.exists() else {}
+        timings.write_text(json.dumps({**previous, **self.timings}, indent=2), "utf-8")
+        rows = ["# kshapes chain results", ""]
+        kg = self.out / "kg" / "config.json"
+        if kg.exists():
+            m = json.loads(kg.read_text("utf-8")).get("metrics", {})
+            rows.append(
+                f"- TransE held-out triples: filtered MRR {m.get('mrr')}, Hits@10 {m.get('hits_at_10')}"
+            )
+        for stage, key in (("vae", "val/psnr"), ("upscaler", "val/psnr"), ("upscaler", "val/psnr_bicubic")):
+            value = _last_logged(self.out / "runs" / stage, key)
+            if value is not None:
+                rows.append(f"- {stage} {key}: {value:.2f} dB")
+        for path in sorted(self.results.glob("fid_clip_*.json")):
+            rows.append(f"- {path.stem}: {json.loads(path.read_text('utf-8'))}")
+        for path in sorted(self.results.glob("recall_*.json")):
+            r = json.loads(path.read_text("utf-8"))
+            t = r.get("text_to_image", {})
+            rows.append(f"- {path.stem}: t→i R@1 {t.get('R@1')}, R@5 {t.get('R@5')}")
+        for path in sorted(self.results.glob("knowledge_unet-*/knowledge.md")):
+            rows += ["", f"## {path.parent.name}", "", path.read_text("utf-8")]
+        (self.results / "results.md").write_text("\n".join(rows) + "\n", "utf-8")
+        print("\n".join(rows), flush=True)
+
+
+def _last_logged(run: Path, key: str) -> float | None:
+    """The last value of a scalar in a run's TensorBoard logs (None if never logged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    value = None
+    for events in sorted(run.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if key in acc.Tags().get("scalars", []):
+            value = acc.Scalars(key)[-1].value
+    return value
+
+
+def _done(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    shutil.disk_usage(".")  # fail early on a broken cwd
+    sys.exit(main())
