@@ -64,26 +64,35 @@ def retrieval_report(
     text_of_image: Sequence[int],
     *,
     query_texts: Sequence[int] | None = None,
+    images_of_text: Sequence[set[int]] | None = None,
     ks: Sequence[int] = KS,
 ) -> dict[str, Any]:
     """Both directions from features: texts [T, D], images [I, D], ``text_of_image[i]`` = text id.
 
     ``query_texts`` restricts the queries (texts for text→image, and the images of those texts
     for image→text) while the galleries stay whole — used for seen / held-out breakdowns.
+    ``images_of_text`` widens the ground truth beyond the paired images (e.g. every image that
+    matches what the caption states); image→text then counts every text that lists the image.
     """
     import torch
 
     t = torch.nn.functional.normalize(text_features.float(), dim=-1)
     v = torch.nn.functional.normalize(image_features.float(), dim=-1)
-    images_of_text: list[set[int]] = [set() for _ in range(len(t))]
+    gt: list[set[int]] = [set() for _ in range(len(t))]
     for i, tid in enumerate(text_of_image):
-        images_of_text[tid].add(i)
+        gt[tid].add(i)
+    if images_of_text is not None:
+        gt = [gt[tid] | set(images_of_text[tid]) for tid in range(len(t))]
+    texts_of_image: list[set[int]] = [set() for _ in range(len(v))]
+    for tid, items in enumerate(gt):
+        for i in items:
+            texts_of_image[i].add(tid)
     texts = list(range(len(t))) if query_texts is None else sorted(set(query_texts))
-    texts = [tid for tid in texts if images_of_text[tid]]
+    texts = [tid for tid in texts if gt[tid]]
     wanted = set(texts)
     images = [i for i, tid in enumerate(text_of_image) if tid in wanted]
-    t2i = retrieval_recall(t[texts] @ v.T, [images_of_text[tid] for tid in texts], ks)
-    i2t = retrieval_recall(v[images] @ t.T, [{text_of_image[i]} for i in images], ks)
+    t2i = retrieval_recall(t[texts] @ v.T, [gt[tid] for tid in texts], ks)
+    i2t = retrieval_recall(v[images] @ t.T, [texts_of_image[i] for i in images], ks)
     return {
         "text_to_image": t2i,
         "image_to_text": i2t,
@@ -135,6 +144,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="score only captions that mention one of these entities (one name a line), e.g. heldout_entities.txt",
     )
+    parser.add_argument(
+        "--ground-truth",
+        choices=("pairs", "attributes"),
+        default="pairs",
+        help="pairs: a caption's own images (Chinese-CLIP's protocol); attributes: every image whose "
+        "metadata.jsonl attributes (colour, shape, and background/position where the caption names "
+        "them) match the caption's — for synthetic data such as kshapes, where many images fit a caption",
+    )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
@@ -162,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         knowledge=args.knowledge == "on",
         entities=names,
         batch_size=args.batch_size,
+        ground_truth=args.ground_truth,
     )
     print(format_table(report))
     if args.out is not None:
@@ -177,6 +195,7 @@ def evaluate_folder(
     knowledge: bool = True,
     entities: Sequence[str] | None = None,
     batch_size: int = 128,
+    ground_truth: str = "pairs",
 ) -> dict[str, Any]:
     """Load a KnowledgeCLIP and a dataset, encode both, and return :func:`retrieval_report`'s dict."""
     import torch
@@ -189,11 +208,12 @@ def evaluate_folder(
     model.text_encoder.knowledge = knowledge
     dataset = ImageTextDataset(str(data), image_size=model.image_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=_collate)
-    image_features, captions = [], []
+    image_features, captions, rows = [], [], []
     with torch.no_grad():
         for batch in tqdm(loader, desc="images", unit="batch"):
             image_features.append(model.encode_image(batch["pixel_values"].to(device)).cpu())
             captions.extend(batch["text"])
+            rows.extend(batch["index"])
         if not captions:
             raise ValueError(f"{data}: no usable image–caption pairs")
         unique = list(dict.fromkeys(captions))
@@ -211,13 +231,23 @@ def evaluate_folder(
         ]
         if not queries:
             raise ValueError(f"no caption in {data} mentions any of the {len(entities)} given entities")
+    images_of_text = (
+        _attribute_matches(Path(data), unique, captions, rows) if ground_truth == "attributes" else None
+    )
     report = retrieval_report(
         torch.cat(text_features),
         torch.cat(image_features),
         [text_id[c] for c in captions],
         query_texts=queries,
+        images_of_text=images_of_text,
     )
-    report.update(model=str(model_dir), data=str(data), knowledge=knowledge, entities=list(entities or []))
+    report.update(
+        model=str(model_dir),
+        data=str(data),
+        knowledge=knowledge,
+        entities=list(entities or []),
+        ground_truth=ground_truth,
+    )
     return report
 
 
@@ -238,10 +268,40 @@ def _caption_entities(data: Path) -> dict[str, str]:
     return out
 
 
+def _attribute_matches(data: Path, unique: list[str], captions: list[str], rows: list[int]) -> list[set[int]]:
+    """For each caption, the images whose metadata matches every attribute the caption states.
+
+    Colour and shape are always stated (by attribute words or by the entity); background and
+    position count when their names appear in the caption.
+    """
+    import json
+
+    meta = data / "metadata.jsonl"
+    if not meta.is_file():
+        raise FileNotFoundError(
+            f"--ground-truth attributes needs {meta} (with colour, shape, background, position)"
+        )
+    table = [json.loads(ln) for ln in meta.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    missing = [k for k in ("colour", "shape", "background", "position") if k not in table[0]]
+    if missing:
+        raise ValueError(f"{meta}: --ground-truth attributes needs the keys {missing} in every row")
+    items = [table[r] for r in rows]  # metadata of gallery image i
+    first: dict[str, int] = {}
+    for i, c in enumerate(captions):
+        first.setdefault(c, i)
+    out = []
+    for text in unique:
+        ref = items[first[text]]
+        keys = ["colour", "shape"] + [k for k in ("background", "position") if str(ref[k]) in text]
+        out.append({i for i, it in enumerate(items) if all(it[k] == ref[k] for k in keys)})
+    return out
+
+
 def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
     return {
         "pixel_values": torch.stack([it["pixel_values"] for it in items]),
         "text": [it["text"] for it in items],
+        "index": [int(it["index"]) for it in items],
     }

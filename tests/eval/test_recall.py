@@ -92,3 +92,17 @@ def test_eval_recall_command_end_to_end(tmp_path):
     )
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["num_text_queries"] == 2 and report["knowledge"] is False  # 左边/右边有一个黄色
+
+
+def test_report_with_widened_ground_truth_counts_any_matching_image():
+    texts = torch.eye(2)
+    images = torch.tensor(
+        [[0.0, 1.0], [1.0, 0.0], [0.9, 0.1]]
+    )  # image 1 fits text 0 best, but it is text 1's
+    pairs = retrieval_report(texts, images, [0, 1, 0], ks=(1,))
+    assert pairs["text_to_image"]["R@1"] == 0.0  # text 0's top image is 1 (text 1's), text 1's is 0
+    wide = retrieval_report(texts, images, [0, 1, 0], images_of_text=[{1}, set()], ks=(1,))
+    assert wide["text_to_image"]["R@1"] == 50.0  # now text 0's top image counts
+    assert wide["image_to_text"]["R@1"] == pytest.approx(
+        100 * 2 / 3
+    )  # image 1 lists texts 0 and 1; image 0 misses
