@@ -60,7 +60,7 @@ for f in sorted(out.glob("recall_train-*.json")):
     r = json.loads(f.read_text("utf-8"))
     _, train, ev, split, gt = f.stem.split("_")
     t, i = r["text_to_image"], r["image_to_text"]
-    rows.append(f"| trained knowledge {train.split('-')[1]} | {ev.split('-')[1]} | {split} | {gt} | {t['R@1']:.1f} | "
+    rows.append(f"| trained knowledge {train.split('-')[1]} | {ev.split('-')[1] if train == 'train-on' else '—'} | {split} | {gt} | {t['R@1']:.1f} | "
                 f"{t['R@5']:.1f} | {t['R@10']:.1f} | {i['R@1']:.1f} | {r['num_text_queries']} |")
 (out / "recall_table.md").write_text("\n".join(rows) + "\n", "utf-8")
 print("\n".join(rows))
