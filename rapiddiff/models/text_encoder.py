@@ -242,7 +242,7 @@ class KnowledgeTextEncoder(nn.Module):
             return_offsets_mapping=fast,
             return_tensors="pt",
         )
-        self._warn_truncated(prompts, enc["input_ids"])
+        self._warn_truncated(prompts, enc["attention_mask"])
         ids = torch.full(enc["input_ids"].shape, -1, dtype=torch.long)
         if self.linker is not None and fast:
             offsets = enc["offset_mapping"]
@@ -259,9 +259,14 @@ class KnowledgeTextEncoder(nn.Module):
             "token_entity_ids": ids,
         }
 
-    def _warn_truncated(self, prompts: list[str], input_ids: torch.Tensor) -> None:
-        full = self.tokenizer(prompts, truncation=False, add_special_tokens=True)["input_ids"]
-        for text, ids in zip(prompts, full, strict=True):
+    def _warn_truncated(self, prompts: list[str], attention_mask: torch.Tensor) -> None:
+        # Only a row that fills every position can have been cut; re-tokenize just those.
+        full_rows = (attention_mask.sum(1) >= self.max_length).nonzero().flatten().tolist()
+        if not full_rows:
+            return
+        texts = [prompts[i] for i in full_rows]
+        full = self.tokenizer(texts, truncation=False, add_special_tokens=True)["input_ids"]
+        for text, ids in zip(texts, full, strict=True):
             if len(ids) > self.max_length:
                 kept = self.tokenizer.decode(ids[: self.max_length], skip_special_tokens=True)
                 log.warning(
