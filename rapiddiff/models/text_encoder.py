@@ -18,7 +18,6 @@ Folder layout written by :meth:`KnowledgeTextEncoder.save_pretrained` (the diffu
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,26 +49,15 @@ _TEXT_MODEL_CLASSES = {
 }
 
 
-def chinese_bert_vocab_path() -> Path:
-    """The real 21,128-token Chinese BERT vocabulary shipped with the ``cn-clip`` package."""
-    spec = importlib.util.find_spec("cn_clip")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the cn-clip package is not installed; `pip install cn-clip` ships the Chinese vocab"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "clip" / "vocab.txt"
-    if not path.is_file():
-        raise FileNotFoundError(f"cn-clip is installed but its vocabulary is missing: {path}")
-    return path
-
-
 def chinese_bert_tokenizer(model_max_length: int = 77) -> PreTrainedTokenizerBase:
     """A fast BERT tokenizer (with offsets) on the Chinese BERT vocabulary, for models trained here."""
     from transformers import BertTokenizerFast
 
+    from rapiddiff.models.presets import chinese_vocab_path
+
     # from_pretrained on the folder works on transformers 4 and 5 alike (5 ignores vocab_file=).
     return BertTokenizerFast.from_pretrained(
-        str(chinese_bert_vocab_path().parent), model_max_length=model_max_length
+        str(chinese_vocab_path().parent), model_max_length=model_max_length
     )
 
 
