@@ -128,3 +128,16 @@ def test_every_shipped_clip_config_parses(path):
         auto_configure_optimizers=False,
     )  # fmt: skip
     assert cli.config.model.lr > 0 and cli.config.data.train
+
+
+def test_freeze_options_leave_only_the_chosen_parts_trainable(tiny_setup):
+    kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
+    store = str(tiny_setup / "store")
+    module = clip_train.CLIPTraining(**kwargs, knowledge_store=store, freeze="all_but_fusion")
+    fusion = {id(p) for p in module.model.text_encoder.fusion.parameters()}
+    assert {id(p) for p in module.parameters() if p.requires_grad} == fusion
+    module = clip_train.CLIPTraining(**kwargs, knowledge_store=store, freeze="image").train()
+    assert not module.model.image_tower.training and module.model.text_encoder.training
+    assert not any(p.requires_grad for p in module.model.image_tower.parameters())
+    with pytest.raises(ValueError, match="needs a knowledge_store"):
+        clip_train.CLIPTraining(**kwargs, freeze="all_but_fusion")
