@@ -271,7 +271,8 @@ def write_tiny_sd_folder(path: str | Path, text: Literal["clip", "bert"] = "clip
     elif text == "bert":
         from transformers import BertConfig, BertModel, BertTokenizer
 
-        tokenizer = BertTokenizer(vocab_file=str(chinese_vocab_path()), model_max_length=77)
+        # transformers 5 ignores vocab_file= in the constructor; from_pretrained reads vocab.txt.
+        tokenizer = BertTokenizer.from_pretrained(str(chinese_vocab_path().parent), model_max_length=77)
         text_encoder = BertModel(BertConfig(**bert_text_config("tiny")), add_pooling_layer=False)
     else:
         raise ValueError(f"unknown text tower '{text}'; choose 'clip' or 'bert'")

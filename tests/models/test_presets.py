@@ -50,3 +50,12 @@ def test_tiny_folder_scheduler_file_matches_sd15_for_ddim(tmp_path):
     folder = write_tiny_sd_folder(tmp_path / "sd", text="clip")
     ddim = DDIMScheduler.from_pretrained(folder, subfolder="scheduler")
     assert ddim.config.clip_sample is False and ddim.config.steps_offset == 1
+
+
+def test_taiyi_style_folder_has_the_real_chinese_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = write_tiny_sd_folder(tmp_path / "bert", text="bert")
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    assert len(tokenizer) == 21128
+    assert tokenizer.unk_token_id not in tokenizer("番茄")["input_ids"]
