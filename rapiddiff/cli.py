@@ -17,12 +17,27 @@ from rapiddiff.utils.logging import setup_logging
 # command name → (module with register(parser), one-line help)
 # (in pipeline order, which is the order `rapiddiff --help` lists them)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "kg": ("rapiddiff.kg.cli", "knowledge graph: train TransE into a KnowledgeStore, link entities in text, inspect a store"),
+    "kg": (
+        "rapiddiff.kg.cli",
+        "knowledge graph: train TransE into a KnowledgeStore, link entities in text, inspect a store",
+    ),
     "data": ("rapiddiff.data.cli", "datasets: write the kshapes benchmark, inspect image–caption data"),
-    "train": ("rapiddiff.train.cli", "train from a YAML config (LightningCLI): clip, unet, finetune, vae, upscaler"),
-    "generate": ("rapiddiff.infer.generate_cli", "text → images: sample a model folder to PNGs that record their settings"),
-    "bench": ("rapiddiff.infer.bench_cli", "benchmark: stock diffusers vs torch.compile recipe vs rapiddiff's fast path"),
-    "eval": ("rapiddiff.eval.cli", "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report"),
+    "train": (
+        "rapiddiff.train.cli",
+        "train from a YAML config (LightningCLI): clip, unet, finetune, vae, upscaler",
+    ),
+    "generate": (
+        "rapiddiff.infer.generate_cli",
+        "text → images: sample a model folder to PNGs that record their settings",
+    ),
+    "bench": (
+        "rapiddiff.infer.bench_cli",
+        "benchmark: stock diffusers vs torch.compile recipe vs rapiddiff's fast path",
+    ),
+    "eval": (
+        "rapiddiff.eval.cli",
+        "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report",
+    ),
 }
 
 
