@@ -1,11 +1,18 @@
-"""The ×4 upscaler: ESRGAN's RRDBNet, built, saved and loaded through spandrel.
+"""The ×4 upscaler: ESRGAN's RRDBNet or Real-ESRGAN's compact SRVGG net, built, saved and loaded through spandrel.
 
-Training builds the network with :func:`build_rrdb`, which returns spandrel's own ``RRDBNet``
-class; :func:`save_upscaler` writes its state dict as safetensors in the original ESRGAN
-("old-arch") key names (``model.0.weight``, ``model.1.sub.0.RDB1.conv1.0.weight``, ...), which
-spandrel detects. So what we train is exactly what spandrel (and chaiNNer, ComfyUI, ...) loads
-back, and :func:`load_upscaler` reads our files as well as published ESRGAN, BasicSR and
-Real-ESRGAN (``{"params_ema": ...}``) checkpoints.
+Two architectures can be trained, each built as spandrel's own class so that what we train is
+exactly what spandrel (and chaiNNer, ComfyUI, ...) loads back:
+
+* :func:`build_rrdb` — ESRGAN's ``RRDBNet``; :func:`save_upscaler` writes the original ESRGAN
+  ("old-arch") key names (``model.0.weight``, ``model.1.sub.0.RDB1.conv1.0.weight``, ...).
+* :func:`build_compact` — Real-ESRGAN's ``SRVGGNetCompact`` (spandrel's ``Compact``; keys
+  ``body.0.weight``, ``body.1.weight``, ...): a plain stack of 3×3 convs at input resolution and one
+  pixel shuffle, whose output is *added to a nearest-upsampled copy of the input*. It starts near
+  nearest-neighbour and learns only the residual, is a fraction of RRDB's size and fast on CPU.
+
+:func:`build_upscaler` picks one by name. :func:`load_upscaler` reads our files as well as
+published ESRGAN, BasicSR and Real-ESRGAN (``{"params_ema": ...}``, e.g. ``realesr-general-x4v3``)
+checkpoints.
 
 Loading never unpickles code: ``.pth``/``.pt``/``.ckpt`` go through
 :func:`rapiddiff.utils.io.load_weights` (``torch.load(weights_only=True)``), and only the
@@ -32,6 +39,8 @@ log = get_logger(__name__)
 UPSCALER_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 # The file name an ``upscaler/`` folder of a model folder holds (others are found by suffix).
 UPSCALER_FILENAME = "upscaler.safetensors"
+# What build_upscaler / the training config accept.
+ARCHITECTURES = ("rrdb", "compact")
 
 
 def build_rrdb(
@@ -65,8 +74,52 @@ def build_rrdb(
     )
 
 
+def build_compact(
+    num_feat: int = 64,
+    num_conv: int = 16,
+    scale: int = 4,
+    in_channels: int = 3,
+    out_channels: int = 3,
+) -> nn.Module:
+    """Real-ESRGAN's SRVGGNetCompact (spandrel's ``Compact``): ``num_conv`` 3×3 convs of width ``num_feat``.
+
+    The defaults are ``realesr-animevideov3``'s (64 features, 16 convs; ``realesr-general-x4v3``
+    uses 32 convs). Activations are PReLU, the only kind spandrel loads back (it rebuilds the net
+    from the weights alone, and ReLU / LeakyReLU leave no weights to tell them apart).
+    The returned module has a ``scale`` attribute, like the loaded ones.
+    """
+    from spandrel.architectures.Compact import Compact
+
+    if num_feat < 1 or num_conv < 1:
+        raise ValueError(f"num_feat={num_feat}, num_conv={num_conv}: both must be ≥ 1")
+    if scale < 1:
+        raise ValueError(f"scale={scale}: must be ≥ 1")
+    if in_channels != out_channels:
+        # spandrel infers (scale, out channels) from the last conv's width scale²·out, guessing
+        # out = in first; other pairs may be read back with the wrong scale.
+        raise ValueError(
+            f"in_channels={in_channels}, out_channels={out_channels}: the compact net must keep "
+            "the channel count for spandrel to load it back"
+        )
+    net = Compact(
+        num_in_ch=in_channels, num_out_ch=out_channels, num_feat=num_feat, num_conv=num_conv, upscale=scale
+    )
+    net.scale = scale  # spandrel's class calls it ``upscale``; rapiddiff code reads ``scale``
+    return net
+
+
+def build_upscaler(arch: str = "rrdb", **kwargs: Any) -> nn.Module:
+    """``build_rrdb(**kwargs)`` for ``arch="rrdb"``, ``build_compact(**kwargs)`` for ``"compact"``."""
+    builders = {"rrdb": build_rrdb, "compact": build_compact}
+    if arch not in builders:
+        raise ValueError(f"unknown upscaler architecture {arch!r}; valid: {', '.join(ARCHITECTURES)}")
+    return builders[arch](**kwargs)
+
+
 def save_upscaler(module: nn.Module, path: str | Path) -> Path:
-    """Write ``module``'s weights as safetensors in ESRGAN old-arch key names; returns the path.
+    """Write ``module``'s weights as safetensors under the key names spandrel detects; returns the path.
+
+    (ESRGAN old-arch names for :func:`build_rrdb`, Real-ESRGAN's ``body.N`` for :func:`build_compact`.)
 
     A path without a ``.safetensors`` suffix is taken as a folder: ``path/upscaler.safetensors``.
     """
@@ -77,13 +130,15 @@ def save_upscaler(module: nn.Module, path: str | Path) -> Path:
         path = path / UPSCALER_FILENAME
     state = dict(module.state_dict())
     # Refuse to write a file we could not load back: spandrel must recognise the keys.
-    if not any(support.detect(state) for support in MAIN_REGISTRY):
+    detected = [support.architecture.id for support in MAIN_REGISTRY if support.detect(state)]
+    if not detected:
         raise ValueError(
             f"cannot save {type(module).__name__} as an upscaler: spandrel does not recognise its "
-            "weights; build it with rapiddiff.models.upscaler.build_rrdb"
+            "weights; build it with rapiddiff.models.upscaler.build_rrdb or build_compact"
         )
     scale = getattr(module, "scale", None)
-    save_safetensors(state, path, metadata={"format": "pt", "architecture": "ESRGAN", "scale": str(scale)})
+    metadata = {"format": "pt", "architecture": detected[0], "scale": str(scale)}
+    save_safetensors(state, path, metadata=metadata)
     return path
 
 

@@ -1,9 +1,13 @@
-"""``rapiddiff train upscaler``: train an ESRGAN RRDB network on low/high-resolution image pairs.
+"""``rapiddiff train upscaler``: train an ESRGAN RRDB or a Real-ESRGAN compact network on image pairs.
 
 L1 first (ESRGAN's PSNR-oriented stage); the PatchGAN term is optional (``gan.weight > 0``,
-usually with ``gan.start_step`` after the L1 stage). The network is
-:func:`rapiddiff.models.upscaler.build_rrdb` and is saved with ``save_upscaler``, so spandrel
-(and every ESRGAN tool) loads it back. Validation reports PSNR against bicubic upscaling.
+usually with ``gan.start_step`` after the L1 stage). ``model.network.arch`` picks the network:
+``rrdb`` (:func:`rapiddiff.models.upscaler.build_rrdb`, the default: what ESRGAN / Real-ESRGAN
+x4plus checkpoints are) or ``compact`` (:func:`~rapiddiff.models.upscaler.build_compact`,
+SRVGGNetCompact: a global nearest-neighbour skip, so it only learns the residual; small and fast
+on CPU). Either is saved with ``save_upscaler``, so spandrel (and every ESRGAN tool) loads it
+back; ``model.pretrained`` fine-tunes any file spandrel loads (ESRGAN, Real-ESRGAN, compact).
+Validation logs ``val/psnr`` and ``val/psnr_bicubic`` (and their difference ``val/psnr_gain``).
 
     rapiddiff train upscaler --config configs/upscaler/kshapes.yaml
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,26 +32,78 @@ from rapiddiff.train.common import (
 )
 from rapiddiff.train.data import PairedImageData
 from rapiddiff.train.gan import GanConfig, PatchDiscriminator, adversarial_losses
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+# Per-architecture defaults of the options left ``None`` (``num_feat``) and the options that belong
+# to one architecture only. Rule: an option of the other architecture is ignored with a warning
+# (so one config can switch ``arch`` without deleting lines); a wrong value type or an unknown
+# ``arch`` is an error.
+_DEFAULTS: dict[str, dict[str, int]] = {
+    "rrdb": {"num_feat": 32, "num_blocks": 6},
+    "compact": {"num_feat": 64, "num_conv": 16},
+}
+_ONLY: dict[str, str] = {"num_blocks": "rrdb", "num_conv": "compact"}
 
 
 @dataclass(frozen=True)
-class RRDBConfig:
-    """ESRGAN's RRDBNet size (23 blocks × 64 features is ESRGAN's and Real-ESRGAN x4plus')."""
+class NetworkConfig:
+    """The upscaler network built when ``pretrained`` is None."""
 
-    num_blocks: int = 6
-    num_feat: int = 32
+    arch: Literal["rrdb", "compact"] = "rrdb"
+    """``rrdb``: ESRGAN's RRDBNet (what ESRGAN / Real-ESRGAN x4plus files are). ``compact``: Real-ESRGAN's
+    SRVGGNetCompact — adds a nearest-upsampled input to its output (learns only the residual), small, fast on CPU."""
+    num_feat: int | None = None
+    """Feature width; None = 32 for rrdb, 64 for compact (ESRGAN and the Real-ESRGAN compact models use 64)."""
+    num_blocks: int | None = None
+    """rrdb only: RRDB blocks; None = 6 (ESRGAN uses 23). Ignored, with a warning, for compact."""
+    num_conv: int | None = None
+    """compact only: 3×3 convs in the body; None = 16 (realesr-general-x4v3 uses 32). Ignored, with a warning, for rrdb."""
     scale: int = 4
+    """Upscaling factor."""
+
+    def __post_init__(self) -> None:
+        from rapiddiff.models.upscaler import ARCHITECTURES
+
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(
+                f"model.network.arch={self.arch!r} is not an upscaler architecture; valid: {', '.join(ARCHITECTURES)}"
+            )
+
+    def build_kwargs(self) -> dict[str, int]:
+        """Arguments for ``build_upscaler(self.arch, ...)``: this arch's options, defaults filled in."""
+        kwargs = dict(_DEFAULTS[self.arch], scale=self.scale)
+        for name in ("num_feat", "num_blocks", "num_conv"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if _ONLY.get(name, self.arch) != self.arch:
+                log.warning(
+                    "model.network.%s=%s is a %s option; ignored for arch %s",
+                    name,
+                    value,
+                    _ONLY[name],
+                    self.arch,
+                )
+                continue
+            kwargs[name] = value
+        return kwargs
 
 
-_NET, _OPTIM, _GAN = RRDBConfig(), OptimConfig(lr=2e-4, warmup_steps=0, schedule="constant"), GanConfig()
+# The name before the compact architecture was added (keeps ``RRDBConfig(num_blocks=..., ...)`` working).
+RRDBConfig = NetworkConfig
+
+_NET, _OPTIM, _GAN = NetworkConfig(), OptimConfig(lr=2e-4, warmup_steps=0, schedule="constant"), GanConfig()
 
 
 class UpscalerTraining(RapidModule):
-    """Super-resolution with an RRDB network.
+    """Super-resolution with an RRDB or compact network.
 
     Args:
-        network: RRDB size (used when ``pretrained`` is None).
-        pretrained: an ESRGAN/Real-ESRGAN weights file (or an ``upscaler/`` folder) to fine-tune.
+        network: architecture and size (used when ``pretrained`` is None).
+        pretrained: weights file spandrel loads (ESRGAN, Real-ESRGAN x4plus or compact, or an
+            ``upscaler/`` folder) to fine-tune; its architecture and size come from the file.
         gan: the PatchGAN term (weight 0 = L1 only).
         optim: AdamW and its learning-rate schedule.
         num_samples: validation pairs shown (bicubic | network | ground truth) in the grid.
@@ -56,7 +112,7 @@ class UpscalerTraining(RapidModule):
 
     def __init__(
         self,
-        network: RRDBConfig = _NET,
+        network: NetworkConfig = _NET,
         pretrained: str | None = None,
         gan: GanConfig = _GAN,
         optim: OptimConfig = _OPTIM,
@@ -65,14 +121,15 @@ class UpscalerTraining(RapidModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        from rapiddiff.models.upscaler import build_rrdb, load_upscaler
+        from rapiddiff.models.upscaler import build_upscaler, load_upscaler
 
         if pretrained is not None:
             self.net = load_upscaler(pretrained)
-        else:
-            self.net = build_rrdb(
-                num_blocks=network.num_blocks, num_feat=network.num_feat, scale=network.scale
+            log.info(
+                "fine-tuning %s from %s (model.network is not used)", type(self.net).__name__, pretrained
             )
+        else:
+            self.net = build_upscaler(network.arch, **network.build_kwargs())
         self.net.requires_grad_(True).train()
         self.scale = int(getattr(self.net, "scale", network.scale))
         self.gan_cfg, self.optim_cfg, self.num_samples, self.seed = gan, optim, num_samples, seed
@@ -128,7 +185,7 @@ class UpscalerTraining(RapidModule):
         return rows.flatten(0, 1)  # (3N, 3, H, W)
 
     def export(self, path: Path) -> Path:
-        """``path/upscaler.safetensors`` (ESRGAN key names; spandrel loads it)."""
+        """``path/upscaler.safetensors`` (ESRGAN or Real-ESRGAN compact key names; spandrel loads it)."""
         from rapiddiff.models.upscaler import save_upscaler
 
         save_upscaler(self.net.float(), path)
@@ -142,5 +199,8 @@ def cli_main(args: list[str] | None = None) -> RapidCLI:
         PairedImageData,
         args,
         prog="rapiddiff train upscaler",
-        description="Train an ESRGAN RRDB upscaler on low/high-resolution pairs (L1, optional PatchGAN).",
+        description=(
+            "Train an upscaler (ESRGAN RRDB or Real-ESRGAN compact, model.network.arch) on "
+            "low/high-resolution pairs (L1, optional PatchGAN)."
+        ),
     )
