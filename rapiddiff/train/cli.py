@@ -21,7 +21,7 @@ TRAIN_STAGES: dict[str, tuple[str, str]] = {
         "rapiddiff.train.finetune",
         "fine-tune a model folder (full or LoRA); `finetune merge` folds a LoRA",
     ),
-    "upscaler": ("rapiddiff.train.upscaler", "an ESRGAN RRDB ×4 upscaler on low/high-resolution pairs"),
+    "upscaler": ("rapiddiff.train.upscaler", "a ×4 upscaler, ESRGAN RRDB or Real-ESRGAN compact"),
 }
 
 
