@@ -24,7 +24,7 @@ import json
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -328,6 +328,9 @@ class ImageTextDataset(Dataset):
         self.texts: list[str] = [texts[i] for i in keep]
         self.annotations = _Annotations(self.texts, linker, tokenizer, max_length, spans=spans)
         self._failed: set[int] = set()
+        # False: items carry no pixels (a trainer that cached every image's latents sets this,
+        # so its loader workers stop decoding images it never reads).
+        self.decode_images = True
         if self._log.items:
             counts = ", ".join(f"{n} {k}" for k, n in self._log.counts().most_common())
             where = f"; listed in {self._log.path}" if self._log.path else ""
@@ -398,6 +401,10 @@ class ImageTextDataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    def mark_failed(self, positions: Iterable[int]) -> None:
+        """Skip these items from now on (e.g. found undecodable by another process)."""
+        self._failed.update(positions)
+
     def load_image(self, i: int) -> Any:
         """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
         row = self.indices[i]
@@ -416,6 +423,10 @@ class ImageTextDataset(Dataset):
             j = (i + step) % n
             if j in self._failed:
                 continue
+            if not self.decode_images:
+                item = {"text": self.texts[j], "index": self.indices[j]}
+                item.update(self.annotations.item(j))
+                return item
             try:
                 image = self.load_image(j)
             except BadImageError as err:

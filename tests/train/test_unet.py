@@ -188,6 +188,33 @@ def test_caption_dropout_and_latent_cache(data: Path) -> None:
     torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-5)
 
 
+def test_cached_latents_stop_image_decoding_and_tokens_are_memoised(data: Path, tmp_path: Path) -> None:
+    from rapiddiff.train.data import ImageTextData
+
+    module = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny", ema=None)
+    dm = ImageTextData(str(data), image_size=16, batch_size=2, num_workers=0)
+    dm.setup("fit")
+    dataset = dm.train_set
+    module._latents = module._encode_dataset(torch.utils.data.DataLoader(dataset, batch_size=3))
+    dataset.decode_images = False  # what on_train_start does once the cache is filled
+    item = dataset[1]
+    assert "pixel_values" not in item and item["index"] == dataset.indices[1]
+    batch = torch.utils.data.default_collate([dataset[0], dataset[1]])
+    assert module.encode_images(batch).shape[0] == 2  # latents come from the cache alone
+
+    captions = [dataset.texts[0], dataset.texts[1], dataset.texts[0], ""]
+    expected = module.text_encoder.tokenize(captions)
+    for _ in range(2):  # the second call is served from the memo
+        got = module._tokenize(captions)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key])
+
+    # End to end: a run with cache_latents trains (its workers then skip decoding).
+    unet_stage.cli_main([*tiny_unet_args(data, tmp_path / "run", max_steps=2), "--model.cache_latents=true"])
+    assert (tmp_path / "run" / "model" / "unet").is_dir()
+
+
 def test_knowledge_fusion_trains_with_the_unet_and_is_exported(data: Path, tmp_path: Path) -> None:
     from rapiddiff.kg.store import KnowledgeStore
     from rapiddiff.models.bundle import load_model_folder
