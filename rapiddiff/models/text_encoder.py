@@ -101,6 +101,10 @@ class KnowledgeTextEncoder(nn.Module):
             and Taiyi pipelines encode without it, and pretrained weights expect that.
         linker: an ``EntityLinker``; default ``EntityLinker.from_store(store)``.
         fusion: fusion weights to use (e.g. loaded); default a fresh module (gates at zero).
+        mask_entity_mentions: with knowledge on, ``tokenize`` replaces the tokens of every linked
+            entity mention by [MASK], so an entity is known only through the KG. Set it for an
+            encoder trained that way (CLIP stage ``entity_token_dropout: 1.0``): inference then sees
+            what training saw, and seen and held-out entities go through the same path.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class KnowledgeTextEncoder(nn.Module):
         use_attention_mask: bool | None = None,
         linker: Any = None,
         fusion: KnowledgeFusion | None = None,
+        mask_entity_mentions: bool = False,
     ) -> None:
         super().__init__()
         self.text_model = text_model
@@ -139,6 +144,7 @@ class KnowledgeTextEncoder(nn.Module):
             use_attention_mask = bool(getattr(text_model.config, "use_attention_mask", False))
         self.use_attention_mask = use_attention_mask
         self.max_relations = max_relations
+        self.mask_entity_mentions = bool(mask_entity_mentions)
         self.knowledge = True
         self.store = None
         self.linker = None
@@ -241,8 +247,11 @@ class KnowledgeTextEncoder(nn.Module):
                     # padding tokens have empty (0, 0) ranges and never do.
                     inside = (end > start) & (start < span.end) & (end > span.start)
                     ids[b, inside] = span.entity_id
+        input_ids = enc["input_ids"]
+        if self.mask_entity_mentions and self.has_knowledge and self.tokenizer.mask_token_id is not None:
+            input_ids = input_ids.masked_fill(ids >= 0, self.tokenizer.mask_token_id)
         return {
-            "input_ids": enc["input_ids"],
+            "input_ids": input_ids,
             "attention_mask": enc["attention_mask"],
             "token_entity_ids": ids,
         }
@@ -300,6 +309,7 @@ class KnowledgeTextEncoder(nn.Module):
             "max_length": self.max_length,
             "max_relations": self.max_relations,
             "use_attention_mask": self.use_attention_mask,
+            "mask_entity_mentions": self.mask_entity_mentions,
         }
 
     def save_pretrained(self, model_dir: str | Path) -> None:

@@ -150,6 +150,8 @@ class CLIPTraining(RapidModule):
         )
         if self.model.text_encoder.fusion is not None:
             self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
+            # Names always hidden in training: the saved encoder hides them at inference too.
+            self.model.text_encoder.mask_entity_mentions = entity_token_dropout >= 1.0
         self._apply_freeze(freeze)
 
     # ------------------------------------------------------------------ setup

@@ -198,3 +198,24 @@ def test_knowledge_item_dropout_acts_only_in_training_and_never_empties_an_entit
     torch.manual_seed(3)
     dropped = fusion.train().entity_features(ids)
     assert torch.isfinite(dropped).all() and not torch.allclose(dropped, reference)
+
+
+def test_mask_entity_mentions_hides_names_only_with_knowledge_and_is_saved(tmp_path, taiyi_dir, store):
+    encoder = KnowledgeTextEncoder.from_pretrained(
+        taiyi_dir, store=store, max_length=24, mask_entity_mentions=True
+    )
+    plain = encoder.tokenize([PROMPT])
+    assert encoder.mask_entity_mentions
+    linked = plain["token_entity_ids"][0] >= 0
+    mask_id = encoder.tokenizer.mask_token_id
+    assert linked.any() and (plain["input_ids"][0][linked] == mask_id).all()
+    assert (plain["input_ids"][0][~linked] != mask_id).all()  # the rest of the caption is untouched
+    encoder.knowledge = False  # without knowledge the name is all there is: never hidden
+    assert not (encoder.tokenize([PROMPT])["input_ids"] == mask_id).any()
+    encoder.knowledge = True
+    encoder.save_pretrained(tmp_path / "m")
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m")
+    assert loaded.mask_entity_mentions
+    assert torch.equal(loaded.tokenize([PROMPT])["input_ids"], plain["input_ids"])
+    default = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24)
+    assert not (default.tokenize([PROMPT])["input_ids"] == mask_id).any()

@@ -104,12 +104,20 @@ def test_entity_tokens_are_hidden_whole_mentions_at_a_time(tiny_setup):
         text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16,
         knowledge_store=str(tiny_setup / "store"), entity_token_dropout=1.0,
     )  # fmt: skip
-    batch = module.model.text_encoder.tokenize(["左边有一个红色的方形", "一个番茄"])
+    encoder = module.model.text_encoder
+    assert encoder.mask_entity_mentions  # names never seen in training: hidden at inference too
+    encoder.mask_entity_mentions = False  # to compare against the names themselves
+    batch = encoder.tokenize(["左边有一个红色的方形", "一个番茄"])
     hidden = module.hide_entity_tokens(batch["input_ids"], batch["token_entity_ids"])
     linked = batch["token_entity_ids"] >= 0
     assert linked.sum() == 6  # 红色, 方形, 番茄
     assert (hidden[linked] != batch["input_ids"][linked]).all()
     assert torch.equal(hidden[~linked], batch["input_ids"][~linked])
+    half = clip_train.CLIPTraining(
+        text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16,
+        knowledge_store=str(tiny_setup / "store"), entity_token_dropout=0.5,
+    )  # fmt: skip
+    assert not half.model.text_encoder.mask_entity_mentions  # names seen half the time: kept
     module.hparams.entity_token_dropout = 0.0
     assert torch.equal(
         module.hide_entity_tokens(batch["input_ids"], batch["token_entity_ids"]), batch["input_ids"]
