@@ -78,9 +78,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", metavar="DIR", help="model folder (default: the built-in model)")
     parser.add_argument("--negative", metavar="TEXT", help="negative prompt (what to steer away from)")
-    parser.add_argument("--steps", type=int, help="denoising steps (default 50)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the model's, else 50)")
     parser.add_argument(
-        "--guidance", type=float, help="classifier-free guidance scale; ≤ 1 turns it off (default 7.5)"
+        "--guidance",
+        type=float,
+        help="classifier-free guidance scale; ≤ 1 turns it off (default: the model's, else 7.5)",
     )
     parser.add_argument(
         "--seed", type=int, help="seed of the first image; image k gets seed+k (default: random)"
@@ -145,6 +147,22 @@ def check_writable(folder: Path) -> None:
         ) from err
 
 
+DEFAULT_SAMPLING: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}
+
+
+def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling settings a model folder recommends (rapiddiff.json "sampling"), e.g. the
+    built-in model's step count; only steps, guidance and scheduler are taken from it."""
+    from rapiddiff.infer.pipeline import canonical_scheduler_name
+    from rapiddiff.models.bundle import read_rapiddiff_info
+
+    given = read_rapiddiff_info(model_dir).get("sampling", {})
+    defaults = {k: given[k] for k in ("num_inference_steps", "guidance_scale", "scheduler") if k in given}
+    if "scheduler" in defaults:
+        defaults["scheduler"] = canonical_scheduler_name(defaults["scheduler"])
+    return defaults
+
+
 def _next_index(folder: Path) -> int:
     """First free image number in ``folder`` (files are NNNNN-SEED.png), so runs never overwrite."""
     numbers = [int(m.group(1)) for p in folder.glob("*.png") if (m := re.match(r"(\d{5})-", p.name))]
@@ -155,7 +173,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     """Prompts, pipeline kwargs, and the model folder from the PNG (if --from-png)."""
     from rapiddiff.infer.pipeline import canonical_scheduler_name
 
-    kwargs: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}
+    kwargs: dict[str, Any] = {}
     prompts: list[str] = []
     png_model = None
     if args.from_png:
@@ -186,8 +204,9 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         kwargs["height"], kwargs["width"] = args.size
     if args.no_knowledge:
         kwargs["knowledge"] = False
-    kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])  # bad names fail before loading
-    if kwargs["num_inference_steps"] < 1:
+    if "scheduler" in kwargs:  # bad names fail before loading
+        kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
+    if kwargs.get("num_inference_steps", 1) < 1:
         raise ValueError(f"--steps must be ≥ 1, got {kwargs['num_inference_steps']}")
     if args.num_images < 1 or args.batch_size < 1:
         raise ValueError("--num-images and --batch-size must be ≥ 1")
@@ -215,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
 
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.infer.png import make_readable
+
+    # Flags and --from-png win over the model folder's own defaults, which win over ours.
+    kwargs = {**DEFAULT_SAMPLING, **model_sampling_defaults(model_dir), **kwargs}
 
     log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
     pipe = RapidDiffusionPipeline.from_pretrained(

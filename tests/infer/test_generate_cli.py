@@ -191,3 +191,25 @@ def test_help_lists_the_options(capsys):
     text = capsys.readouterr().out
     for flag in ("--from-png", "--scheduler", "--no-knowledge", "--upscale", "--prompts", "--fast"):
         assert flag in text
+
+
+def test_model_folder_sampling_defaults_apply_unless_flags_say_otherwise(tmp_path):
+    import json
+
+    folder = write_tiny_sd_folder(tmp_path / "sd", text="bert")
+    info = folder / "rapiddiff.json"
+    data = json.loads(info.read_text("utf-8")) if info.exists() else {}
+    data["sampling"] = {"num_inference_steps": 3, "guidance_scale": 2.0, "scheduler": "ddim", "eta": 1}
+    info.write_text(json.dumps(data), "utf-8")
+    assert generate_cli.model_sampling_defaults(folder) == {
+        "num_inference_steps": 3,
+        "guidance_scale": 2.0,
+        "scheduler": "ddim",
+    }  # only the keys it may set
+    common = ["generate", "一个番茄", "--model", str(folder), "--seed", "1", "--size", "8"]
+    assert main([*common, "--out", str(tmp_path / "a"), "--device", "cpu", "--no-progress"]) == 0
+    meta = read_png_metadata(_pngs(tmp_path / "a")[0])
+    assert (meta["steps"], meta["guidance"], meta["scheduler"]) == (3, 2.0, "ddim")
+    assert main([*common, "--out", str(tmp_path / "b"), "--steps", "2", "--guidance", "4", *FAST[2:]]) == 0
+    meta = read_png_metadata(_pngs(tmp_path / "b")[0])
+    assert (meta["steps"], meta["guidance"], meta["scheduler"]) == (2, 4.0, "ddim")
