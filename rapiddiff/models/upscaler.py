@@ -87,6 +87,12 @@ def build_compact(
     uses 32 convs). Activations are PReLU, the only kind spandrel loads back (it rebuilds the net
     from the weights alone, and ReLU / LeakyReLU leave no weights to tell them apart).
     The returned module has a ``scale`` attribute, like the loaded ones.
+
+    Initialisation (for training from scratch; a loaded file replaces it): PyTorch's default
+    conv init shrinks the signal about 10× through the first layers of this plain conv stack, so the
+    body starts nearly constant and learns slowly; He init for PReLU keeps it alive. The last conv
+    is scaled by 0.1 so the network starts close to its nearest-neighbour skip (ESRGAN scales
+    its residual blocks' init the same way).
     """
     from spandrel.architectures.Compact import Compact
 
@@ -105,7 +111,21 @@ def build_compact(
         num_in_ch=in_channels, num_out_ch=out_channels, num_feat=num_feat, num_conv=num_conv, upscale=scale
     )
     net.scale = scale  # spandrel's class calls it ``upscale``; rapiddiff code reads ``scale``
+    _init_compact(net)
     return net
+
+
+def _init_compact(net: nn.Module, last_scale: float = 0.1) -> None:
+    import torch
+    from torch import nn
+
+    convs = [m for m in net.body if isinstance(m, nn.Conv2d)]
+    with torch.no_grad():
+        for conv in convs:
+            # PReLU starts at slope 0.25: He init with that leak keeps activations' variance.
+            nn.init.kaiming_normal_(conv.weight, a=0.25, nonlinearity="leaky_relu")
+            conv.bias.zero_()
+        convs[-1].weight.mul_(last_scale)
 
 
 def build_upscaler(arch: str = "rrdb", **kwargs: Any) -> nn.Module:
