@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from rapiddiff.cli import main
-from rapiddiff.infer.generate_cli import default_model_dir
+from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, default_model_dir, model_sampling_defaults
 from rapiddiff.infer.png import read_png_metadata
 
 # Seen entities (in the training captions of the kshapes chain, seed 0: choose_heldout(15, 0) holds
@@ -68,8 +68,16 @@ def test_seen_entities_are_drawn_in_their_kg_colour(pipe):
 
     prompts = [f"{BACKGROUND}背景上有一个{name}" for name in ENTITIES for _ in SEEDS]
     seeds = [s for _ in ENTITIES for s in SEEDS]
-    # Guidance left at the pipeline's default, the one `rapiddiff generate` uses.
-    out = pipe(prompts, num_inference_steps=STEPS, seed=seeds, scheduler="pndm", progress=False)
+    # Guidance as `rapiddiff generate` uses it: the model folder's own, else the CLI's.
+    guidance = {**DEFAULT_SAMPLING, **model_sampling_defaults(pipe.model_path)}["guidance_scale"]
+    out = pipe(
+        prompts,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance,
+        seed=seeds,
+        scheduler="pndm",
+        progress=False,
+    )
     assert out.metadata[0]["knowledge"] is True
     found = [detect_attributes(image)["colour"] for image in out.images]
     for k, name in enumerate(ENTITIES):
@@ -93,7 +101,9 @@ def test_generate_without_model_writes_a_reproducible_png(tmp_path):
 
     meta = read_png_metadata(files[0])
     assert meta["prompt"] == prompt and meta["seed"] == 7 and meta["steps"] == 2
-    assert meta["scheduler"] == "pndm" and meta["guidance"] == 7.5 and meta["knowledge"] is True
+    defaults = {**DEFAULT_SAMPLING, **model_sampling_defaults(model_dir)}
+    assert meta["scheduler"] == defaults["scheduler"] and meta["guidance"] == defaults["guidance_scale"]
+    assert meta["knowledge"] is True
     assert Path(meta["model_path"]) == model_dir.resolve()
     image = Image.open(files[0])
     base = meta["height"], meta["width"]
