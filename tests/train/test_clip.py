@@ -105,8 +105,7 @@ def test_entity_tokens_are_hidden_whole_mentions_at_a_time(tiny_setup):
         knowledge_store=str(tiny_setup / "store"), entity_token_dropout=1.0,
     )  # fmt: skip
     encoder = module.model.text_encoder
-    assert encoder.mask_entity_mentions  # names never seen in training: hidden at inference too
-    encoder.mask_entity_mentions = False  # to compare against the names themselves
+    assert not encoder.mask_entity_mentions  # names stay visible at inference unless asked
     batch = encoder.tokenize(["左边有一个红色的方形", "一个番茄"])
     hidden = module.hide_entity_tokens(batch["input_ids"], batch["token_entity_ids"])
     linked = batch["token_entity_ids"] >= 0
@@ -115,9 +114,9 @@ def test_entity_tokens_are_hidden_whole_mentions_at_a_time(tiny_setup):
     assert torch.equal(hidden[~linked], batch["input_ids"][~linked])
     half = clip_train.CLIPTraining(
         text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16,
-        knowledge_store=str(tiny_setup / "store"), entity_token_dropout=0.5,
+        knowledge_store=str(tiny_setup / "store"), entity_token_dropout=0.5, mask_entity_mentions=True,
     )  # fmt: skip
-    assert not half.model.text_encoder.mask_entity_mentions  # names seen half the time: kept
+    assert half.model.text_encoder.mask_entity_mentions  # the option reaches the saved encoder
     module.hparams.entity_token_dropout = 0.0
     assert torch.equal(
         module.hide_entity_tokens(batch["input_ids"], batch["token_entity_ids"]), batch["input_ids"]
