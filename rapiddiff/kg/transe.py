@@ -56,6 +56,13 @@ class TransEConfig:
     """Temperature of the nssa loss (pykeen's default when null)."""
     label_smoothing: float | None = None
     """Label smoothing for lcwa with crossentropy/bcewithlogits."""
+    label_smoothing_style: Literal["row", "label"] = "row"
+    """How crossentropy spreads ``label_smoothing`` over a row of true tails. row (pykeen >= 1.x):
+    L1-normalise the row, then (1-eps)*p + eps/C, so the k true tails share 1-eps. label (pykeen
+    <= 1.0, what pykeen's 2020 ablation study trained with): smooth each label on its own
+    (1 -> 1-eps, 0 -> eps/(C-1)), then L1-normalise, so the true tails keep k(1-eps) of the raw
+    mass -- on Kinships at eps=0.846 that is 0.44 of the row instead of 0.20. Copying an ablation
+    config's eps needs ``label``."""
     negatives_per_positive: int = 1
     """Corrupted triples per true one (slcwa only)."""
     create_inverse_triples: bool = False
@@ -121,6 +128,15 @@ class TransEConfig:
             raise ValueError(f"'label_smoothing' must be in [0, 1), got {self.label_smoothing}")
         if self.label_smoothing and self.training_loop != "lcwa":
             raise ValueError("'label_smoothing' needs training_loop: lcwa")
+        if self.label_smoothing_style not in ("row", "label"):
+            raise ValueError(
+                f"'label_smoothing_style' must be 'row' or 'label', got '{self.label_smoothing_style}'"
+            )
+        if self.label_smoothing_style == "label" and self.loss != "crossentropy":
+            raise ValueError(
+                "'label_smoothing_style: label' only changes loss crossentropy (bcewithlogits already "
+                "smooths each label); set loss: crossentropy or drop the key"
+            )
         if self.training_loop == "lcwa" and self.loss in ("marginranking", "nssa"):
             raise ValueError(
                 f"loss '{self.loss}' needs sampled negatives; use training_loop: slcwa or loss crossentropy"
@@ -165,7 +181,12 @@ def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None
 
 
 def _metrics(result: Any) -> dict[str, float]:
-    """Filtered link-prediction metrics on the test part (both head and tail prediction)."""
+    """Filtered link-prediction metrics on the test part (both head and tail prediction).
+
+    Ranks are pykeen's "realistic" ones (ties share the mean rank); Hits@10 is also given with
+    optimistic (ties rank first) and pessimistic (ties rank last) ranks, as older papers and
+    pykeen 0.x results files reported those too.
+    """
     get = result.metric_results.get_metric
     return {
         "mrr": float(get("both.realistic.inverse_harmonic_mean_rank")),
@@ -173,7 +194,41 @@ def _metrics(result: Any) -> dict[str, float]:
         "hits_at_1": float(get("both.realistic.hits_at_1")),
         "hits_at_3": float(get("both.realistic.hits_at_3")),
         "hits_at_10": float(get("both.realistic.hits_at_10")),
+        "hits_at_10_optimistic": float(get("both.optimistic.hits_at_10")),
+        "hits_at_10_pessimistic": float(get("both.pessimistic.hits_at_10")),
     }
+
+
+def make_loss(cfg: TransEConfig) -> Any:
+    """The pykeen loss for ``cfg``: its name, or a loss object where pykeen's own differs.
+
+    ``label_smoothing_style: label`` needs a cross-entropy that smooths each label before the row
+    is normalised (pykeen <= 1.0); pykeen >= 1.x normalises first and has no switch for it.
+    """
+    if cfg.loss != "crossentropy" or cfg.label_smoothing_style != "label":
+        return cfg.loss
+    from pykeen.losses import CrossEntropyLoss
+
+    class PerLabelSmoothingCrossEntropyLoss(CrossEntropyLoss):
+        def process_lcwa_scores(  # type: ignore[override]
+            self,
+            predictions: Any,
+            labels: Any,
+            label_smoothing: float | None = None,
+            num_entities: int | None = None,
+            weights: Any = None,
+        ) -> Any:
+            if label_smoothing:
+                num_classes = labels.shape[-1]
+                labels = labels * (1.0 - label_smoothing) + (1.0 - labels) * (
+                    label_smoothing / (num_classes - 1)
+                )
+            # pykeen's own method then L1-normalises the row and takes the soft-target cross-entropy
+            return super().process_lcwa_scores(
+                predictions, labels, label_smoothing=None, num_entities=num_entities, weights=weights
+            )
+
+    return PerLabelSmoothingCrossEntropyLoss()
 
 
 def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStore, dict[str, Any]]:
@@ -274,7 +329,7 @@ def _run_pipeline(cfg: TransEConfig, dataset: Any, device: Any, *, epochs: int, 
         dataset=dataset,
         model="TransE",
         model_kwargs={"embedding_dim": cfg.embedding_dim, "scoring_fct_norm": cfg.scoring_norm},
-        loss=cfg.loss,
+        loss=make_loss(cfg),
         loss_kwargs=loss_kwargs or None,
         training_loop=cfg.training_loop,
         negative_sampler="basic" if cfg.training_loop == "slcwa" else None,
