@@ -1,8 +1,17 @@
 """Reproduce published TransE figures on UMLS and Kinships with ``rapiddiff kg train``'s code path.
 
 Datasets ship inside the pykeen wheel (no download). References (filtered, test split):
-UMLS Hits@10 0.989, mean rank 1.84; Kinships Hits@10 0.878 (pykeen's ablation study, best
-TransE). Pass: |ours - published| <= 0.02 on Hits@10.
+UMLS Hits@10 0.989, mean rank 1.84; Kinships Hits@10 0.878 (pykeen's ablation study, TransE; in
+github.com/pykeen/benchmarking ablation/summary/results.tsv that is the 4-replicate mean of the
+sLCWA + NSSA studies, 0.8776). configs/kg/kinships.yaml runs the study's LCWA + cross-entropy
+pipeline, whose own 4 replicates averaged 0.863 (0.853-0.873); both are printed.
+Pass: |ours - published| <= 0.02 on Hits@10.
+
+Which Hits@10: ours uses pykeen's "realistic" ranks (tied scores share their mean rank). The
+study's pykeen 0.1.2-dev results.json files list hits_at_k "best"/"avg"/"worst" (optimistic /
+realistic / pessimistic) and for TransE they are identical (continuous distances have no ties),
+so the published figure is the same under all three; we compare realistic and also print the
+optimistic and pessimistic values so a tie problem would show.
 
     python benchmarks/kg_transe_reference.py                       # both, configs/kg/{umls,kinships}.yaml
     python benchmarks/kg_transe_reference.py --only kinships --threads 2
@@ -25,8 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = {
     "umls": {"hits_at_10": 0.989, "mean_rank": 1.84},
-    "kinships": {"hits_at_10": 0.878},
+    # config_hits_at_10: the shipped config's own pipeline in the study (mean of its 4 replicates)
+    "kinships": {"hits_at_10": 0.878, "config_hits_at_10": 0.863},
 }
+METRIC = "filtered Hits@10, realistic ranks (ties share their mean rank)"
 TOLERANCE = 0.02
 
 
@@ -74,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                     k: metrics[k]
                     for k in (
                         "hits_at_10",
+                        "hits_at_10_optimistic",
+                        "hits_at_10_pessimistic",
                         "hits_at_3",
                         "hits_at_1",
                         "mrr",
@@ -84,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "published_hits_at_10": ref["hits_at_10"],
                 "published_mean_rank": ref.get("mean_rank"),
+                "config_published_hits_at_10": ref.get("config_hits_at_10"),
+                "metric": METRIC,
                 "delta_hits_at_10": delta,
                 "within_tolerance": abs(delta) <= TOLERANCE,
             }
@@ -103,20 +118,24 @@ def main(argv: list[str] | None = None) -> int:
         "device": dev_desc,
         "command": "python "
         + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
+        "metric": METRIC,
         "rows": rows,
     }
     lines = [
-        "| dataset | Hits@10 | published | Δ | MR | published MR | MRR | Hits@1 | Hits@3 | epochs | train s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dataset | Hits@10 (realistic) | optimistic / pessimistic | published | Δ | same pipeline published | "
+        "MR | published MR | MRR | Hits@1 | Hits@3 | epochs | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pmr = f"{r['published_mean_rank']:.2f}" if r["published_mean_rank"] else "—"
+        pcfg = f"{r['config_published_hits_at_10']:.3f}" if r["config_published_hits_at_10"] else "—"
         lines.append(
-            f"| {r['dataset']} | {r['hits_at_10']:.3f} | {r['published_hits_at_10']:.3f} | {r['delta_hits_at_10']:+.3f} | "
-            f"{r['mean_rank']:.2f} | {pmr} | {r['mrr']:.3f} | {r['hits_at_1']:.3f} | {r['hits_at_3']:.3f} | "
+            f"| {r['dataset']} | {r['hits_at_10']:.3f} | {r['hits_at_10_optimistic']:.3f} / "
+            f"{r['hits_at_10_pessimistic']:.3f} | {r['published_hits_at_10']:.3f} | {r['delta_hits_at_10']:+.3f} | "
+            f"{pcfg} | {r['mean_rank']:.2f} | {pmr} | {r['mrr']:.3f} | {r['hits_at_1']:.3f} | {r['hits_at_3']:.3f} | "
             f"{r['epochs_run']} | {r['train_seconds']:.0f} |"
         )
-    table = "\n".join(lines)
+    table = f"Metric: {METRIC}; Δ = ours − published.\n\n" + "\n".join(lines)
     print(f"\n{report['date']} — {report['device']}\n{table}")
     out = os.environ.get("OUT")
     if out:
