@@ -58,6 +58,8 @@ class ModelBundle:
     text_encoder: KnowledgeTextEncoder
     upscaler: nn.Module | None = None
     path: Path | None = None
+    sampling: dict[str, Any] | None = None
+    """Sampling settings the folder recommends (steps, guidance, scheduler; ``rapiddiff.json``)."""
 
     @property
     def vae_scale_factor(self) -> int:
@@ -141,7 +143,8 @@ def load_model_folder(
             upscaler = _load(path / "upscaler")
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             raise type(err)(f"model folder {path}: upscaler/: {err}") from err
-    bundle = ModelBundle(unet, vae, scheduler, text_encoder, upscaler, path=path)
+    sampling = read_rapiddiff_info(path).get("sampling")
+    bundle = ModelBundle(unet, vae, scheduler, text_encoder, upscaler, path=path, sampling=sampling)
     bundle.check()
     unet.eval().requires_grad_(False)
     vae.eval().requires_grad_(False)
@@ -243,6 +246,8 @@ def save_model_folder(bundle: ModelBundle, path: str | Path) -> Path:
             from rapiddiff.models.upscaler import save_upscaler
 
             extras["upscaler"] = str(save_upscaler(bundle.upscaler, tmp / "upscaler").relative_to(tmp))
+        if bundle.sampling:
+            extras["sampling"] = dict(bundle.sampling)
         text_model = bundle.text_encoder.text_model
         index = {
             "_class_name": "StableDiffusionPipeline",

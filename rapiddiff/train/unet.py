@@ -162,6 +162,7 @@ class LatentDiffusion(RapidModule):
             self.text_encoder.text_model.gradient_checkpointing_enable()
         self.ema = self._make_ema(ema)
         self._latents: torch.Tensor | None = None  # (N, 2·C, h, w) latent mean ‖ logvar when cached
+        self._token_cache: dict[str, dict[str, torch.Tensor]] = {}  # caption → its tokenize() row
         self.strict_loading = False  # checkpoints hold trained weights only (see on_save_checkpoint)
         self.train()  # frozen parts to eval mode now: Lightning keeps submodule modes as it finds them
 
@@ -307,7 +308,7 @@ class LatentDiffusion(RapidModule):
     def _tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """Tokens and entity ids per caption, memoised: linking (jieba) costs ~0.2 ms a caption,
         which at large batches rivals a small U-Net's step; captions repeat every epoch."""
-        cache = self.__dict__.setdefault("_token_cache", {})
+        cache = self._token_cache
         missing = list(dict.fromkeys(c for c in captions if c not in cache))
         if missing:
             if len(cache) + len(missing) > _TOKEN_CACHE_SIZE:
@@ -398,25 +399,25 @@ class LatentDiffusion(RapidModule):
         plain = DataLoader(
             dataset, batch_size=loader.batch_size, num_workers=loader.num_workers, shuffle=False
         )
+        # Items are indexed by their row in the source table (skipped rows leave gaps).
+        positions = getattr(dataset, "indices", None)
+        rows = max(positions) + 1 if positions else len(dataset)
         cache: torch.Tensor | None = None
+        filled = torch.zeros(rows, dtype=torch.bool)
         quiet = self._trainer is not None and not self.trainer.is_global_zero
         for batch in tqdm(plain, desc="caching latents", disable=quiet):
             params = self.vae.encode(
                 batch["pixel_values"].to(self.device, self.vae.dtype)
             ).latent_dist.parameters
             if cache is None:
-                # Items are indexed by their row in the source table (skipped rows leave gaps).
-                rows = max(getattr(dataset, "indices", None) or [len(dataset) - 1]) + 1
                 cache = torch.empty((rows, *params.shape[1:]), dtype=torch.float32)
-                filled = torch.zeros(rows, dtype=torch.bool)
             cache[batch["index"]] = params.float().cpu()
             filled[batch["index"]] = True
         assert cache is not None
-        rows = getattr(dataset, "indices", None)
-        if rows is not None and hasattr(dataset, "mark_failed"):
+        if positions is not None and hasattr(dataset, "mark_failed"):
             # Items that failed to decode in the workers were replaced there by the next good one,
             # leaving their cache rows empty: skip them for the rest of training too.
-            dataset.mark_failed(j for j, row in enumerate(rows) if not filled[row])
+            dataset.mark_failed(j for j, row in enumerate(positions) if not filled[row])
         return cache
 
     # ------------------------------------------------------------------ sampling and export

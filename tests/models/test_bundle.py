@@ -186,3 +186,13 @@ def test_hub_layouts_fp16_variant_and_bin_text_encoder(taiyi, tmp_path):
     hub = _broken_copy(taiyi, tmp_path / "hub", hub_layout)
     expected = RapidDiffusionPipeline.from_pretrained(taiyi)(PROMPT, **GEN).images
     np.testing.assert_array_equal(RapidDiffusionPipeline.from_pretrained(hub)(PROMPT, **GEN).images, expected)
+
+
+def test_sampling_defaults_round_trip(saved, tmp_path):
+    path, _ = saved
+    bundle = load_model_folder(path)
+    assert bundle.sampling is None
+    bundle.sampling = {"num_inference_steps": 25, "guidance_scale": 7.5, "scheduler": "pndm"}
+    save_model_folder(bundle, tmp_path / "m")
+    assert read_rapiddiff_info(tmp_path / "m")["sampling"] == bundle.sampling
+    assert load_model_folder(tmp_path / "m").sampling == bundle.sampling

@@ -101,14 +101,23 @@ def test_upscaler_runs_from_config_and_loads_back_through_spandrel(tmp_path: Pat
     assert list(root.rglob("samples/step=*.png"))
 
 
-def test_upscaler_loss_falls_when_overfitting_a_fixed_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "network",
+    [
+        upscaler_stage.RRDBConfig(num_blocks=1, num_feat=16),
+        upscaler_stage.NetworkConfig(arch="compact", num_feat=16, num_conv=2),
+    ],
+    ids=["rrdb", "compact"],
+)
+def test_upscaler_loss_falls_when_overfitting_a_fixed_batch(tmp_path: Path, network) -> None:
     from rapiddiff.train.data import PairedImageDataset
 
     lr_dir, hr_dir = write_pairs(tmp_path / "pairs", n=2)
     pairs = PairedImageDataset(lr_dir, hr_dir, flips=False)
     low = torch.stack([pairs[i]["lr"] for i in range(2)])
     high = torch.stack([pairs[i]["hr"] for i in range(2)])
-    module = upscaler_stage.UpscalerTraining(upscaler_stage.RRDBConfig(num_blocks=1, num_feat=16))
+    torch.manual_seed(0)
+    module = upscaler_stage.UpscalerTraining(network)
     optimizer = torch.optim.Adam(module.parameters(), lr=2e-3)
     losses = []
     for _ in range(40):
