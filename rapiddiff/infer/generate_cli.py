@@ -156,10 +156,21 @@ def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     from rapiddiff.infer.pipeline import canonical_scheduler_name
     from rapiddiff.models.bundle import read_rapiddiff_info
 
-    given = read_rapiddiff_info(model_dir).get("sampling", {})
+    given = read_rapiddiff_info(model_dir).get("sampling") or {}
+    where = f"{Path(model_dir) / 'rapiddiff.json'}: sampling"
+    if not isinstance(given, dict):
+        raise ValueError(f'{where} must be an object like {{"num_inference_steps": 25}}')
     defaults = {k: given[k] for k in ("num_inference_steps", "guidance_scale", "scheduler") if k in given}
+    steps = defaults.get("num_inference_steps", 1)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"{where}.num_inference_steps must be an integer ≥ 1, got {steps!r}")
+    if not isinstance(defaults.get("guidance_scale", 1.0), int | float):
+        raise ValueError(f"{where}.guidance_scale must be a number, got {defaults['guidance_scale']!r}")
     if "scheduler" in defaults:
-        defaults["scheduler"] = canonical_scheduler_name(defaults["scheduler"])
+        try:
+            defaults["scheduler"] = canonical_scheduler_name(defaults["scheduler"])
+        except ValueError as err:
+            raise ValueError(f"{where}.scheduler: {err}") from err
     return defaults
 
 

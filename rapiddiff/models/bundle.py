@@ -311,4 +311,10 @@ def read_rapiddiff_info(path: str | Path) -> dict[str, Any]:
     file = Path(path) / RAPIDDIFF_FILE
     if not file.is_file():
         return {}
-    return json.loads(file.read_text(encoding="utf-8"))
+    try:
+        info = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: not valid JSON ({err}); fix it or delete it") from err
+    if not isinstance(info, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(info).__name__}")
+    return info

@@ -144,7 +144,7 @@ class KnowledgeTextEncoder(nn.Module):
             use_attention_mask = bool(getattr(text_model.config, "use_attention_mask", False))
         self.use_attention_mask = use_attention_mask
         self.max_relations = max_relations
-        self.mask_entity_mentions = bool(mask_entity_mentions)
+        self.mask_entity_mentions = mask_entity_mentions
         self.knowledge = True
         self.store = None
         self.linker = None
@@ -185,6 +185,18 @@ class KnowledgeTextEncoder(nn.Module):
                 "linked and knowledge has no effect; load a *TokenizerFast",
                 type(self.tokenizer).__name__,
             )
+
+    @property
+    def mask_entity_mentions(self) -> bool:
+        return self._mask_entity_mentions
+
+    @mask_entity_mentions.setter
+    def mask_entity_mentions(self, value: bool) -> None:
+        if value and self.tokenizer.mask_token_id is None:
+            raise ValueError(
+                f"mask_entity_mentions: the tokenizer ({type(self.tokenizer).__name__}) has no [MASK] token"
+            )
+        self._mask_entity_mentions = bool(value)
 
     @property
     def has_knowledge(self) -> bool:
@@ -248,7 +260,7 @@ class KnowledgeTextEncoder(nn.Module):
                     inside = (end > start) & (start < span.end) & (end > span.start)
                     ids[b, inside] = span.entity_id
         input_ids = enc["input_ids"]
-        if self.mask_entity_mentions and self.has_knowledge and self.tokenizer.mask_token_id is not None:
+        if self.mask_entity_mentions and self.has_knowledge:
             input_ids = input_ids.masked_fill(ids >= 0, self.tokenizer.mask_token_id)
         return {
             "input_ids": input_ids,

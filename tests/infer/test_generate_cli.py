@@ -213,3 +213,19 @@ def test_model_folder_sampling_defaults_apply_unless_flags_say_otherwise(tmp_pat
     assert main([*common, "--out", str(tmp_path / "b"), "--steps", "2", "--guidance", "4", *FAST[2:]]) == 0
     meta = read_png_metadata(_pngs(tmp_path / "b")[0])
     assert (meta["steps"], meta["guidance"], meta["scheduler"]) == (2, 4.0, "ddim")
+
+
+@pytest.mark.parametrize(
+    ("info", "message"),
+    [
+        ('{"sampling": {"num_inference_steps": "many"}}', "num_inference_steps must be an integer"),
+        ('{"sampling": {"scheduler": "euler"}}', "sampling.scheduler: unknown scheduler 'euler'"),
+        ('{"sampling": [25]}', "sampling must be an object"),
+        ("{not json", "rapiddiff.json: not valid JSON"),
+    ],
+)
+def test_bad_model_sampling_defaults_name_the_file(tmp_path, capsys, info, message):
+    folder = write_tiny_sd_folder(tmp_path / "sd", text="bert")
+    (folder / "rapiddiff.json").write_text(info, "utf-8")
+    assert main(["generate", "x", "--model", str(folder), "--out", str(tmp_path / "o"), *FAST]) == 2
+    assert message in capsys.readouterr().err

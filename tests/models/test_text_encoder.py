@@ -219,3 +219,11 @@ def test_mask_entity_mentions_hides_names_only_with_knowledge_and_is_saved(tmp_p
     assert torch.equal(loaded.tokenize([PROMPT])["input_ids"], plain["input_ids"])
     default = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24)
     assert not (default.tokenize([PROMPT])["input_ids"] == mask_id).any()
+
+
+def test_mask_entity_mentions_needs_a_mask_token(tmp_path, store):
+    from rapiddiff.models.presets import write_tiny_sd_folder
+
+    clip_folder = write_tiny_sd_folder(tmp_path / "sd", text="clip")  # CLIPTokenizer: no [MASK]
+    with pytest.raises(ValueError, match="has no \\[MASK\\] token"):
+        KnowledgeTextEncoder.from_pretrained(clip_folder, store=store, mask_entity_mentions=True)
