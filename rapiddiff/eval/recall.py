@@ -160,16 +160,14 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from rapiddiff.utils.device import resolve_device
-    from rapiddiff.utils.io import atomic_write_text
+    from rapiddiff.utils.io import atomic_write_text, read_text_lines
 
     device = resolve_device(args.device)
     names: list[str] | None = None
     if args.filter_entities is not None:
         if not args.filter_entities.is_file():
             raise FileNotFoundError(f"--filter-entities: file not found: {args.filter_entities}")
-        names = [
-            ln.strip() for ln in args.filter_entities.read_text(encoding="utf-8").splitlines() if ln.strip()
-        ]
+        names = [ln.strip() for _, ln in read_text_lines(args.filter_entities, what="--filter-entities")]
         if not names:
             raise ValueError(f"{args.filter_entities}: no entity names in it")
     report = evaluate_folder(
