@@ -88,7 +88,9 @@ def retrieval_report(
     for tid, items in enumerate(gt):
         for i in items:
             if not 0 <= i < len(v):
-                raise ValueError(f"ground truth image {i} of text {tid} outside the gallery (0..{len(v) - 1})")
+                raise ValueError(
+                    f"ground truth image {i} of text {tid} outside the gallery (0..{len(v) - 1})"
+                )
             texts_of_image[i].add(tid)
     texts = list(range(len(t))) if query_texts is None else sorted(set(query_texts))
     images = sorted({i for tid in texts for i in gt[tid]})
@@ -239,7 +241,9 @@ def evaluate_folder(
         wanted = set(entities)
         tagged = _caption_entities(Path(data))
         queries = [
-            k for k, c in enumerate(captions) if tagged.get(c) in wanted or any(name in c for name in entities)
+            k
+            for k, c in enumerate(captions)
+            if tagged.get(c) in wanted or any(name in c for name in entities)
         ]
         if not queries:
             raise ValueError(f"no caption in {data} mentions any of the {len(entities)} given entities")
