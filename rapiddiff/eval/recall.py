@@ -261,17 +261,15 @@ def evaluate_folder(
 def _caption_entities(data: Path) -> dict[str, str]:
     """caption → entity from an imagefolder's metadata.jsonl ``entity`` field (kshapes writes it), so
     captions that use an alias (车厘子 for 樱桃) still count as mentions; {} when there is none."""
-    import json
+    from rapiddiff.data.loader import parse_json_lines
 
     meta = data / "metadata.jsonl" if data.is_dir() else None
     if meta is None or not meta.is_file():
         return {}
     out = {}
-    for line in meta.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if isinstance(row.get("entity"), str) and isinstance(row.get("text"), str):
-                out[row["text"]] = row["entity"]
+    for row in parse_json_lines(meta):  # malformed lines carry no entity (the loader skips them)
+        if isinstance(row.get("entity"), str) and isinstance(row.get("text"), str):
+            out[row["text"]] = row["entity"]
     return out
 
 
@@ -281,15 +279,17 @@ def _attribute_matches(data: Path, unique: list[str], captions: list[str], rows:
     Colour and shape are always stated (by attribute words or by the entity); background and
     position count when their names appear in the caption.
     """
-    import json
+    from rapiddiff.data.loader import ERROR_COLUMN, parse_json_lines
 
     meta = data / "metadata.jsonl"
     if not meta.is_file():
         raise FileNotFoundError(
             f"--ground-truth attributes needs {meta} (with colour, shape, background, position)"
         )
-    table = [json.loads(ln) for ln in meta.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    missing = [k for k in ("colour", "shape", "background", "position") if k not in table[0]]
+    # Record k is the loader's row k (the k-th non-blank line), malformed lines included.
+    table = list(parse_json_lines(meta))
+    good = next((row for row in table if not row.get(ERROR_COLUMN)), {})
+    missing = [k for k in ("colour", "shape", "background", "position") if k not in good]
     if missing:
         raise ValueError(f"{meta}: --ground-truth attributes needs the keys {missing} in every row")
     items = [table[r] for r in rows]  # metadata of gallery image i

@@ -48,6 +48,25 @@ def atomic_open(path: str | Path, mode: str = "wb", encoding: str | None = None)
         raise
 
 
+@contextlib.contextmanager
+def removed_if_failed(folder: str | Path | None) -> Iterator[None]:
+    """Remove ``folder`` if the block raises and the folder did not exist before it: a command
+    that fails leaves no empty or half-written output folder behind."""
+    if folder is None:
+        yield
+        return
+    folder = Path(folder)
+    existed = folder.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir():
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     with atomic_open(path, "wb") as handle:
         handle.write(data)
