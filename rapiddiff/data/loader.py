@@ -428,7 +428,9 @@ class ImageTextDataset(Dataset):
     a too-small image are found when the dataset is built (``verify="header"`` opens each image's
     header; ``"full"`` decodes it) and never returned; ``len()`` counts only good items and
     ``index`` is the row in the source table. A file that only fails when fully decoded is
-    skipped at that moment and replaced by the next good item, so a run never stops.
+    skipped at that moment and its slot takes the next good item (``index`` says which), so a run
+    never stops; a warning names both, once per run: what workers find is shared, so the item is
+    logged and counted once (``.skipped`` in the main process too) and not decoded again.
 
     With ``linker`` (an ``EntityLinker``) items carry ``"entities"`` — (start, end, entity_id)
     character spans — and with ``tokenizer`` (a fast HF tokenizer) ``input_ids``,
@@ -497,7 +499,11 @@ class ImageTextDataset(Dataset):
         self.indices: list[int] = keep
         self.texts: list[str] = [texts[i] for i in keep]
         self.annotations = _Annotations(self.texts, linker, tokenizer, max_length, spans=spans)
-        self._failed: set[int] = set()
+        # Items found undecodable after the scan. In shared memory, so DataLoader workers (forked or
+        # spawned, and started again every epoch) see each other's finds: each bad item is
+        # decoded, logged and counted once per run, not once per worker and epoch.
+        self._failed = torch.zeros(len(keep), dtype=torch.bool).share_memory_()
+        self._seen_failed: set[int] = set()  # those whose reason this process recorded
         # False: items carry no pixels (a trainer that cached every image's latents sets this,
         # so its loader workers stop decoding images it never reads).
         self.decode_images = True
@@ -515,8 +521,13 @@ class ImageTextDataset(Dataset):
 
     @property
     def skipped(self) -> list[tuple[dict[str, Any], str]]:
-        """(item, reason) for every item skipped so far (in this process)."""
-        return self._log.items
+        """(item, reason) for every item skipped so far, including those DataLoader workers found."""
+        found_elsewhere = [
+            (self._item_info(self.indices[j], self.texts[j]), "failed to decode in a DataLoader worker")
+            for j in self._failed.nonzero().flatten().tolist()
+            if j not in self._seen_failed
+        ]
+        return self._log.items + found_elsewhere
 
     def _image_value(self, row: int) -> Any:
         # Straight from the Arrow column: datasets' row access builds a whole formatted row.
@@ -586,7 +597,9 @@ class ImageTextDataset(Dataset):
 
     def mark_failed(self, positions: Iterable[int]) -> None:
         """Skip these items from now on (e.g. found undecodable by another process)."""
-        self._failed.update(positions)
+        marked = list(positions)
+        if marked:
+            self._failed[marked] = True
 
     def load_image(self, i: int) -> Any:
         """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
@@ -598,14 +611,18 @@ class ImageTextDataset(Dataset):
         return image
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        """Item ``i``; if its image fails to decode (found only now: e.g. a file truncated after a
+        valid header), the next good item instead — with a warning, once per run, that names the
+        bad item's line and the row that takes its place."""
         n = len(self.indices)
         if not -n <= i < n:
             raise IndexError(f"index {i} out of range for {n} items")
         i %= n
+        failures: list[tuple[int, str]] = []
         for step in range(n):
             j = (i + step) % n
-            if j in self._failed:
-                continue
+            if self._failed[j]:
+                continue  # known bad: logged when it was found
             if not self.decode_images:
                 item = {"text": self.texts[j], "index": self.indices[j]}
                 item.update(self.annotations.item(j))
@@ -613,15 +630,30 @@ class ImageTextDataset(Dataset):
             try:
                 image = self.load_image(j)
             except BadImageError as err:
-                # Found only now (e.g. truncated data after a valid header): skip and take the next.
-                self._failed.add(j)
-                self._log.add(self._item_info(self.indices[j], self.texts[j]), str(err))
-                log.warning("%s row %d skipped: %s", self.table, self.indices[j], err)
+                failures.append((j, str(err)))
                 continue
+            self._record_failures(failures, replacement=j)
             item = {"pixel_values": self.transform(image), "text": self.texts[j], "index": self.indices[j]}
             item.update(self.annotations.item(j))
             return item
+        self._record_failures(failures, replacement=None)
         raise RuntimeError(f"{self.table}: every item failed to decode; see the skip log")
+
+    def _record_failures(self, failures: list[tuple[int, str]], replacement: int | None) -> None:
+        for j, reason in failures:
+            if self._failed[j]:  # another worker found it first
+                continue
+            self._failed[j] = True
+            self._seen_failed.add(j)
+            info = self._item_info(self.indices[j], self.texts[j])
+            self._log.add(info, reason)
+            where = f"line {info['line']}" if "line" in info else f"row {info['row']}"
+            instead = (
+                f"; row {self.indices[replacement]} takes its place in this batch"
+                if replacement is not None
+                else ""
+            )
+            log.warning("%s %s skipped from now on: %s%s", self.table, where, reason, instead)
 
 
 class StreamingImageTextDataset(IterableDataset):
