@@ -529,7 +529,8 @@ class ImageTextDataset(Dataset):
         ]
         return self._log.items + found_elsewhere
 
-    def _image_value(self, row: int) -> Any:
+    def image_cell(self, row: int) -> Any:
+        """The image cell of table row ``row`` as stored: a path, base64 text, bytes or a struct."""
         # Straight from the Arrow column: datasets' row access builds a whole formatted row.
         return self._rows.data.column(self.image_column)[row].as_py()
 
@@ -549,7 +550,7 @@ class ImageTextDataset(Dataset):
         if self._errors is not None and self._errors[row]:
             info["content"] = self._rows.data.column(CONTENT_COLUMN)[row].as_py()
             return info
-        return info | {"image": describe(self._image_value(row)), "text": text}
+        return info | {"image": describe(self.image_cell(row)), "text": text}
 
     def _scan(self, texts: list[str], verify: Verify, progress: bool) -> list[int]:
         from tqdm.auto import tqdm
@@ -604,7 +605,7 @@ class ImageTextDataset(Dataset):
     def load_image(self, i: int) -> Any:
         """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
         row = self.indices[i]
-        source = image_source(self._image_value(row), self.base_dir)
+        source = image_source(self.image_cell(row), self.base_dir)
         image = to_rgb(open_image(source, self.image_size if self.jpeg_draft else None))
         if self.small_images == "skip" and min(image.size) < self.image_size:
             raise BadImageError(f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})")

@@ -315,7 +315,7 @@ def _distinct_images(dataset: Any, rows: Sequence[int]) -> tuple[list[int], list
     first_row: list[int] = []
     seen: dict[Any, int] = {}
     for k, row in enumerate(rows):
-        value = dataset._image_value(row)
+        value = dataset.image_cell(row)
         if isinstance(value, dict):
             value = value.get("bytes") or value.get("path")
         key = hashlib.sha1(bytes(value)).hexdigest() if isinstance(value, (bytes, bytearray)) else str(value)
