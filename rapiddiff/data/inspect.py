@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.io import atomic_write_text, removed_if_failed
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -119,18 +119,22 @@ def inspect_dataset(
     out_dir = Path(out) if out is not None else None
     skip_log = None
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         skip_log = out_dir / "skipped.jsonl"
         skip_log.unlink(missing_ok=True)
-    dataset = ImageTextDataset(
-        source,
-        image_size=image_size,
-        small_images=small_images,  # type: ignore[arg-type]
-        verify="full",
-        skip_log=skip_log,
-        progress=progress,
-        **options,
-    )
+    with removed_if_failed(out_dir):
+        dataset = ImageTextDataset(
+            source,
+            image_size=image_size,
+            small_images=small_images,  # type: ignore[arg-type]
+            verify="full",
+            skip_log=skip_log,
+            progress=progress,
+            **options,
+        )
+        return _report(dataset, out_dir, image_size, store)
+
+
+def _report(dataset: Any, out_dir: Path | None, image_size: int, store: str | Path | None) -> dict[str, Any]:
     sizes = np.array([dataset.image_sizes[r] for r in dataset.indices], dtype=np.int64).reshape(-1, 2)
     lengths = [len(t) for t in dataset.texts]
     reasons = Counter(_reason_kind(reason) for _, reason in dataset.skipped)

@@ -112,9 +112,18 @@ def resolve_table(source: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 def read_table(
-    table: Path, *, column_names: Sequence[str] | None = None, streaming: bool = False, data_files: Any = None
+    table: Path,
+    *,
+    column_names: Sequence[str] | None = None,
+    streaming: bool = False,
+    data_files: Any = None,
+    quiet: bool = False,
 ) -> Any:
-    """The rows of ``table`` as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming)."""
+    """The rows of ``table`` as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming).
+
+    A malformed line makes this raise; :func:`read_table_lenient` skips it instead. ``quiet``
+    silences ``datasets``' own error log (the caller reports the failure).
+    """
     import datasets
 
     builder, options = _builder(table)
@@ -125,7 +134,7 @@ def read_table(
     if builder == "csv":
         options["keep_default_na"] = False  # an empty caption stays "", not NaN
     verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL if quiet else datasets.logging.ERROR)
     datasets.disable_progress_bars()
     try:
         return datasets.load_dataset(
@@ -138,6 +147,160 @@ def read_table(
     finally:
         datasets.logging.set_verbosity(verbosity)
         datasets.enable_progress_bars()
+
+
+# Columns of a table read line by line: the 1-based line of each record, and why it is unusable.
+LINE_COLUMN = "__rapiddiff_line__"
+ERROR_COLUMN = "__rapiddiff_error__"
+CONTENT_COLUMN = "__rapiddiff_content__"
+_INTERNAL = (LINE_COLUMN, ERROR_COLUMN, CONTENT_COLUMN)
+_FILE_KEY = "__rapiddiff_file__"  # which shard a streamed record came from
+LINE_FORMATS = (".jsonl", ".json", ".csv", ".tsv")
+
+
+def _snippet(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _is_json_array(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
+def _type_name(value: Any) -> str:
+    return (
+        "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+    )
+
+
+def parse_json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """One dict per non-blank line of a JSON-lines file; a line that is not a JSON object (or whose
+    field types differ from the lines before it) becomes ``{ERROR_COLUMN: reason, ...}``.
+    Every record carries its 1-based line in ``LINE_COLUMN``."""
+    types: dict[str, str] = {}
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            bad = {LINE_COLUMN: number, CONTENT_COLUMN: _snippet(raw.decode("utf-8", "replace").strip())}
+            try:
+                row = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+            except UnicodeDecodeError as err:
+                yield bad | {ERROR_COLUMN: f"malformed line (not valid UTF-8 at byte {err.start + 1})"}
+                continue
+            except json.JSONDecodeError as err:
+                yield bad | {ERROR_COLUMN: f"malformed line ({err.msg} at column {err.colno})"}
+                continue
+            if not isinstance(row, dict):
+                yield bad | {ERROR_COLUMN: f"malformed line (a JSON {type(row).__name__}, not an object)"}
+                continue
+            clash = next(
+                (
+                    f"field {key!r} is {_type_name(value)} where earlier lines have {types[key]}"
+                    for key, value in row.items()
+                    if value is not None and types.get(key, _type_name(value)) != _type_name(value)
+                ),
+                None,
+            )
+            if clash:
+                yield bad | {ERROR_COLUMN: f"malformed line ({clash})"}
+                continue
+            for key, value in row.items():
+                if value is not None:
+                    types.setdefault(key, _type_name(value))
+            yield {**row, LINE_COLUMN: number}
+
+
+def parse_delimited_lines(path: Path, column_names: Sequence[str] | None = None) -> Iterator[dict[str, Any]]:
+    """One dict per record of a CSV/TSV file (strings), as :func:`read_table` reads it (TSV without
+    quoting); a record with the wrong number of fields or bytes that are not UTF-8 becomes
+    ``{ERROR_COLUMN: reason, ...}``. Every record carries its 1-based first line in ``LINE_COLUMN``."""
+    import csv
+    import io
+
+    tsv = path.suffix.lower() == ".tsv"
+    csv.field_size_limit(1 << 30)  # base64 images are long fields
+    with path.open("rb") as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
+        reader = csv.reader(text, delimiter="\t", quoting=csv.QUOTE_NONE) if tsv else csv.reader(text)
+        header = list(column_names) if column_names else None
+        end = 0
+        for record in reader:
+            start, end = end + 1, reader.line_num
+            if not record or record == [""]:
+                continue
+            if header is None:
+                header = record
+                continue
+            content = _snippet(
+                ("\t" if tsv else ",")
+                .join(record)
+                .encode("utf-8", "surrogateescape")
+                .decode("utf-8", "replace")
+            )
+            if len(record) != len(header):
+                reason = f"malformed line ({len(record)} fields where the header has {len(header)})"
+                yield {LINE_COLUMN: start, ERROR_COLUMN: reason, CONTENT_COLUMN: content}
+                continue
+            try:
+                "".join(record).encode("utf-8")
+            except UnicodeEncodeError:
+                reason = "malformed line (not valid UTF-8)"
+                yield {LINE_COLUMN: start, ERROR_COLUMN: reason, CONTENT_COLUMN: content}
+                continue
+            yield {**dict(zip(header, record, strict=True)), LINE_COLUMN: start}
+
+
+def parse_lines(path: Path, column_names: Sequence[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL/CSV/TSV file read line by line (see :func:`parse_json_lines`)."""
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return parse_json_lines(path)
+    return parse_delimited_lines(path, column_names)
+
+
+def read_table_lenient(table: Path, *, column_names: Sequence[str] | None = None) -> Any:
+    """:func:`read_table`, except that a JSONL/CSV/TSV file with malformed lines is read line by
+    line: the table then has every record, each with its line (``LINE_COLUMN``), and a bad line's
+    record has the reason in ``ERROR_COLUMN`` for the dataset to skip and log. Row ``k`` is the
+    ``k``-th record either way (the ``k``-th non-blank line of a JSONL file)."""
+    try:
+        return read_table(table, column_names=column_names, quiet=True)
+    except ValueError as err:
+        suffix = table.suffix.lower()
+        if suffix not in LINE_FORMATS or (suffix == ".json" and _is_json_array(table)):
+            raise
+        if column_names and suffix not in (".csv", ".tsv"):
+            raise
+        records = list(parse_lines(table, column_names))
+        bad = [r for r in records if r.get(ERROR_COLUMN)]
+        if not bad:
+            raise  # not a malformed line: datasets' error stands
+        if len(bad) == len(records):
+            raise ValueError(
+                f"{table}: no line could be read (line {bad[0][LINE_COLUMN]}: {bad[0][ERROR_COLUMN]})"
+            ) from err
+        log.warning(
+            "%s: %d malformed line(s) skipped (first: line %d, %s); the rest read line by line",
+            table,
+            len(bad),
+            bad[0][LINE_COLUMN],
+            bad[0][ERROR_COLUMN],
+        )
+        import datasets
+
+        keys = list(dict.fromkeys(k for r in records for k in r))
+        return datasets.Dataset.from_dict({k: [r.get(k) for r in records] for k in keys})
+
+
+def record_lines(table: Path, column_names: Sequence[str] | None = None) -> list[int] | None:
+    """The 1-based first line of each record of a JSONL/CSV/TSV table (``None`` for other formats)."""
+    suffix = table.suffix.lower()
+    if suffix not in LINE_FORMATS or (suffix == ".json" and _is_json_array(table)):
+        return None
+    if suffix in (".jsonl", ".json"):
+        with table.open("rb") as handle:
+            return [n for n, raw in enumerate(handle, start=1) if raw.strip()]
+    return [int(r[LINE_COLUMN]) for r in parse_delimited_lines(table, column_names)]
 
 
 def _pick_image_column(columns: Sequence[str], wanted: str, where: Path) -> str:
@@ -265,7 +428,9 @@ class ImageTextDataset(Dataset):
     a too-small image are found when the dataset is built (``verify="header"`` opens each image's
     header; ``"full"`` decodes it) and never returned; ``len()`` counts only good items and
     ``index`` is the row in the source table. A file that only fails when fully decoded is
-    skipped at that moment and replaced by the next good item, so a run never stops.
+    skipped at that moment and its slot takes the next good item (``index`` says which), so a run
+    never stops; a warning names both, once per run: what workers find is shared, so the item is
+    logged and counted once (``.skipped`` in the main process too) and not decoded again.
 
     With ``linker`` (an ``EntityLinker``) items carry ``"entities"`` — (start, end, entity_id)
     character spans — and with ``tokenizer`` (a fast HF tokenizer) ``input_ids``,
@@ -307,8 +472,15 @@ class ImageTextDataset(Dataset):
         self.jpeg_draft = jpeg_draft
         self.transform = transform or build_image_transform(image_size, crop=crop, hflip=hflip)
         self._log = SkipLog(skip_log)
-        self._rows = read_table(self.table, column_names=column_names)
-        columns = list(self._rows.column_names)
+        self._column_names = list(column_names) if column_names else None
+        self._rows = read_table_lenient(self.table, column_names=column_names)
+        columns = [c for c in self._rows.column_names if c not in _INTERNAL]
+        # Read line by line (the table had malformed lines): each record's line, and the bad ones.
+        self._errors: list[str | None] | None = None
+        self._lines: list[int] | None = None
+        if ERROR_COLUMN in self._rows.column_names:
+            self._errors = self._rows.data.column(ERROR_COLUMN).to_pylist()
+            self._lines = self._rows.data.column(LINE_COLUMN).to_pylist()
         self.image_column = _pick_image_column(columns, image_column, self.table)
         _check_text_column(columns, text_column, self.table)
         self.text_column = text_column
@@ -327,7 +499,11 @@ class ImageTextDataset(Dataset):
         self.indices: list[int] = keep
         self.texts: list[str] = [texts[i] for i in keep]
         self.annotations = _Annotations(self.texts, linker, tokenizer, max_length, spans=spans)
-        self._failed: set[int] = set()
+        # Items found undecodable after the scan. In shared memory, so DataLoader workers (forked or
+        # spawned, and started again every epoch) see each other's finds: each bad item is
+        # decoded, logged and counted once per run, not once per worker and epoch.
+        self._failed = torch.zeros(len(keep), dtype=torch.bool).share_memory_()
+        self._seen_failed: set[int] = set()  # those whose reason this process recorded
         # False: items carry no pixels (a trainer that cached every image's latents sets this,
         # so its loader workers stop decoding images it never reads).
         self.decode_images = True
@@ -345,20 +521,36 @@ class ImageTextDataset(Dataset):
 
     @property
     def skipped(self) -> list[tuple[dict[str, Any], str]]:
-        """(item, reason) for every item skipped so far (in this process)."""
-        return self._log.items
+        """(item, reason) for every item skipped so far, including those DataLoader workers found."""
+        found_elsewhere = [
+            (self._item_info(self.indices[j], self.texts[j]), "failed to decode in a DataLoader worker")
+            for j in self._failed.nonzero().flatten().tolist()
+            if j not in self._seen_failed
+        ]
+        return self._log.items + found_elsewhere
 
-    def _image_value(self, row: int) -> Any:
+    def image_cell(self, row: int) -> Any:
+        """The image cell of table row ``row`` as stored: a path, base64 text, bytes or a struct."""
         # Straight from the Arrow column: datasets' row access builds a whole formatted row.
         return self._rows.data.column(self.image_column)[row].as_py()
 
+    def line(self, row: int) -> int | None:
+        """The 1-based line of the table where record ``row`` starts (None for parquet/JSON arrays)."""
+        if self._lines is None:
+            # Found lazily, the first time a skipped item needs it: the fast path has no line column.
+            self._lines = record_lines(self.table, self._column_names) or []
+        return self._lines[row] if row < len(self._lines) else None
+
     def _item_info(self, row: int, text: str) -> dict[str, Any]:
-        return {
-            "source": str(self.table),
-            "row": row,
-            "image": describe(self._image_value(row)),
-            "text": text,
-        }
+        info: dict[str, Any] = {"source": str(self.table)}
+        line = self.line(row)
+        if line is not None:
+            info["line"] = line
+        info["row"] = row
+        if self._errors is not None and self._errors[row]:
+            info["content"] = self._rows.data.column(CONTENT_COLUMN)[row].as_py()
+            return info
+        return info | {"image": describe(self.image_cell(row)), "text": text}
 
     def _scan(self, texts: list[str], verify: Verify, progress: bool) -> list[int]:
         from tqdm.auto import tqdm
@@ -371,6 +563,9 @@ class ImageTextDataset(Dataset):
             disable=not progress,
             unit="item",
         ):
+            if self._errors is not None and self._errors[row]:
+                self._log.add(self._item_info(row, ""), self._errors[row])
+                continue
             if not texts[row]:
                 self._log.add(self._item_info(row, texts[row]), "empty caption")
                 continue
@@ -403,26 +598,32 @@ class ImageTextDataset(Dataset):
 
     def mark_failed(self, positions: Iterable[int]) -> None:
         """Skip these items from now on (e.g. found undecodable by another process)."""
-        self._failed.update(positions)
+        marked = list(positions)
+        if marked:
+            self._failed[marked] = True
 
     def load_image(self, i: int) -> Any:
         """The decoded RGB PIL image of item ``i`` (raises ``BadImageError``)."""
         row = self.indices[i]
-        source = image_source(self._image_value(row), self.base_dir)
+        source = image_source(self.image_cell(row), self.base_dir)
         image = to_rgb(open_image(source, self.image_size if self.jpeg_draft else None))
         if self.small_images == "skip" and min(image.size) < self.image_size:
             raise BadImageError(f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})")
         return image
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        """Item ``i``; if its image fails to decode (found only now: e.g. a file truncated after a
+        valid header), the next good item instead — with a warning, once per run, that names the
+        bad item's line and the row that takes its place."""
         n = len(self.indices)
         if not -n <= i < n:
             raise IndexError(f"index {i} out of range for {n} items")
         i %= n
+        failures: list[tuple[int, str]] = []
         for step in range(n):
             j = (i + step) % n
-            if j in self._failed:
-                continue
+            if self._failed[j]:
+                continue  # known bad: logged when it was found
             if not self.decode_images:
                 item = {"text": self.texts[j], "index": self.indices[j]}
                 item.update(self.annotations.item(j))
@@ -430,15 +631,30 @@ class ImageTextDataset(Dataset):
             try:
                 image = self.load_image(j)
             except BadImageError as err:
-                # Found only now (e.g. truncated data after a valid header): skip and take the next.
-                self._failed.add(j)
-                self._log.add(self._item_info(self.indices[j], self.texts[j]), str(err))
-                log.warning("%s row %d skipped: %s", self.table, self.indices[j], err)
+                failures.append((j, str(err)))
                 continue
+            self._record_failures(failures, replacement=j)
             item = {"pixel_values": self.transform(image), "text": self.texts[j], "index": self.indices[j]}
             item.update(self.annotations.item(j))
             return item
+        self._record_failures(failures, replacement=None)
         raise RuntimeError(f"{self.table}: every item failed to decode; see the skip log")
+
+    def _record_failures(self, failures: list[tuple[int, str]], replacement: int | None) -> None:
+        for j, reason in failures:
+            if self._failed[j]:  # another worker found it first
+                continue
+            self._failed[j] = True
+            self._seen_failed.add(j)
+            info = self._item_info(self.indices[j], self.texts[j])
+            self._log.add(info, reason)
+            where = f"line {info['line']}" if "line" in info else f"row {info['row']}"
+            instead = (
+                f"; row {self.indices[replacement]} takes its place in this batch"
+                if replacement is not None
+                else ""
+            )
+            log.warning("%s %s skipped from now on: %s%s", self.table, where, reason, instead)
 
 
 class StreamingImageTextDataset(IterableDataset):
@@ -499,22 +715,33 @@ class StreamingImageTextDataset(IterableDataset):
                 rows = rows.cast_column(name, datasets.Image(decode=False))
         return rows
 
+    def _line_rows(self, worker: int, workers: int) -> Iterator[dict[str, Any]]:
+        """JSONL/CSV/TSV shards read line by line (a malformed line costs one row, not the
+        stream); each worker takes every ``workers``-th shard, as ``datasets`` would."""
+        for file in self.files[worker::workers]:
+            for record in parse_lines(Path(file), self._column_names):
+                yield {**record, _FILE_KEY: file}
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        rows = self._rows()
+        by_line = not self.webdataset and Path(self.files[0]).suffix.lower() in (".jsonl", ".csv", ".tsv")
+        rows = self._line_rows(worker, workers) if by_line else self._rows()
         image_column = None
         for k, row in enumerate(rows):
+            where: dict[str, Any] = {"source": row.get(_FILE_KEY, self.source)}
+            if LINE_COLUMN in row:
+                where["line"] = row[LINE_COLUMN]
+            if row.get(ERROR_COLUMN):
+                self._log.add(where | {"content": row.get(CONTENT_COLUMN)}, row[ERROR_COLUMN])
+                log.warning("%s line %s skipped: %s", where["source"], where.get("line"), row[ERROR_COLUMN])
+                continue
             if image_column is None:
-                image_column = _pick_image_column(list(row), self._image_column, Path(self.files[0]))
-                _check_text_column(list(row), self.text_column, Path(self.files[0]))
+                columns = [c for c in row if c not in (*_INTERNAL, _FILE_KEY)]
+                image_column = _pick_image_column(columns, self._image_column, Path(self.files[0]))
+                _check_text_column(columns, self.text_column, Path(self.files[0]))
             text = clean_caption(row.get(self.text_column), t2s=self.t2s)
-            item_info = {
-                "source": self.source,
-                "row": k,
-                "image": describe(row.get(image_column)),
-                "text": text,
-            }
+            item_info = where | {"row": k, "image": describe(row.get(image_column)), "text": text}
             if not text:
                 self._log.add(item_info, "empty caption")
                 continue

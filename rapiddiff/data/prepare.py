@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.io import atomic_write_text, removed_if_failed
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -44,10 +44,27 @@ def prepare_dataset(
     progress: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
-    """Check ``source`` (images decoded with ``verify="full"``), link with ``store``, write ``out``."""
+    """Check ``source`` (images decoded with ``verify="full"``), link with ``store``, write ``out``.
+
+    A run that fails leaves no ``out`` behind if it was not there before."""
+    out = Path(out)
+    with removed_if_failed(out):
+        return _prepare(source, out, store, image_size, small_images, t2s, verify, progress, options)
+
+
+def _prepare(
+    source: str | os.PathLike[str],
+    out: Path,
+    store: str | os.PathLike[str] | None,
+    image_size: int,
+    small_images: str,
+    t2s: bool,
+    verify: str,
+    progress: bool,
+    options: dict[str, Any],
+) -> dict[str, Any]:
     from rapiddiff.data.loader import ImageTextDataset
 
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "skipped.jsonl").unlink(missing_ok=True)
     linker = None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rapiddiff import __version__
-from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.io import atomic_write_text, read_text_lines
 
 if TYPE_CHECKING:
     import torch
@@ -96,9 +96,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"file not found: {path}")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, line in read_text_lines(path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:

@@ -1,16 +1,19 @@
 """``rapiddiff eval recall``: text→image and image→text retrieval recall (R@1/5/10, mean recall).
 
-The protocol is Chinese-CLIP's: features are L2-normalised, similarity is their dot product, and
-a query is a hit at K when any of its ground-truth items is among its top K. Equal scores are
-broken by id (the lower id ranks first), so the figures are deterministic. Ground truth: an
-image's captions, and for a caption every image that carries exactly that caption (identical
-captions are one query).
+The protocol is Chinese-CLIP's (``cn_clip/eval/evaluation.py`` and ``evaluation_tr.py``):
+features are L2-normalised, similarity is their dot product, and a query is a hit at K when any
+of its ground-truth items is among its top K. Every caption row is its own query, with the
+images of that row as its ground truth — identical captions are not merged (merging turns a
+tie between two same-caption images into a hit for both). A query with no ground truth counts
+as a miss. Images are the distinct images of the data (the same file in two rows is one gallery
+item); an image's queries for image→text are the captions that list it. Equal scores are broken
+by id (the lower id ranks first), so the figures are deterministic.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +24,13 @@ KS = (1, 5, 10)
 
 
 def retrieval_recall(
-    similarity: torch.Tensor, ground_truth: Sequence[set[int]] | torch.Tensor, ks: Sequence[int] = KS
+    similarity: torch.Tensor, ground_truth: Sequence[Iterable[int]] | torch.Tensor, ks: Sequence[int] = KS
 ) -> dict[str, float]:
     """Recall@K in percent for each K, and their mean (``"mean"``).
 
     ``similarity`` is [Q, N] (queries × gallery); ``ground_truth`` is one set of gallery ids per
-    query or a bool matrix [Q, N]. Ranking is by score, descending; ties go to the lower id.
+    query or a bool matrix [Q, N]. Ranking is by score, descending; ties go to the lower id. A
+    query without ground truth is a miss at every K (as in cn_clip's scorer).
     """
     import torch
 
@@ -47,12 +51,11 @@ def retrieval_recall(
                 if not 0 <= j < n:
                     raise ValueError(f"ground truth id {j} of query {i} outside the gallery (0..{n - 1})")
                 gt[i, j] = True
-    if q and not gt.any(1).all():
-        raise ValueError(f"query {int((~gt.any(1)).nonzero()[0])} has no ground-truth item")
     # A stable sort of -score keeps equal scores in id order: lower id first.
     order = torch.sort(-sim, dim=1, stable=True).indices  # (Q, N)
     hits_in_order = torch.gather(gt, 1, order)  # (Q, N): is the r-th ranked item a ground truth?
-    first_hit = hits_in_order.float().argmax(1)  # rank of the best-ranked ground truth
+    # Rank of the best-ranked ground truth; n (never < k) for a query without any.
+    first_hit = torch.where(hits_in_order.any(1), hits_in_order.float().argmax(1), n)
     result = {f"R@{k}": 100.0 * float((first_hit < k).float().mean()) if q else 0.0 for k in ks}
     result["mean"] = sum(result[f"R@{k}"] for k in ks) / len(ks)
     return result
@@ -61,36 +64,36 @@ def retrieval_recall(
 def retrieval_report(
     text_features: torch.Tensor,
     image_features: torch.Tensor,
-    text_of_image: Sequence[int],
+    images_of_text: Sequence[Iterable[int]],
     *,
     query_texts: Sequence[int] | None = None,
-    images_of_text: Sequence[set[int]] | None = None,
     ks: Sequence[int] = KS,
 ) -> dict[str, Any]:
-    """Both directions from features: texts [T, D], images [I, D], ``text_of_image[i]`` = text id.
+    """Both directions from features: texts [T, D], images [I, D]; ``images_of_text[t]`` is the
+    ground truth of text ``t`` (the images it captions; empty makes it a miss).
 
-    ``query_texts`` restricts the queries (texts for text→image, and the images of those texts
-    for image→text) while the galleries stay whole — used for seen / held-out breakdowns.
-    ``images_of_text`` widens the ground truth beyond the paired images (e.g. every image that
-    matches what the caption states); image→text then counts every text that lists the image.
+    Every text is a query for text→image, and every image that some queried text lists is a
+    query for image→text, its ground truth being every text that lists it. ``query_texts``
+    restricts the text queries (and so the image queries) while the galleries stay whole —
+    used for seen / held-out breakdowns.
     """
     import torch
 
     t = torch.nn.functional.normalize(text_features.float(), dim=-1)
     v = torch.nn.functional.normalize(image_features.float(), dim=-1)
-    gt: list[set[int]] = [set() for _ in range(len(t))]
-    for i, tid in enumerate(text_of_image):
-        gt[tid].add(i)
-    if images_of_text is not None:
-        gt = [gt[tid] | set(images_of_text[tid]) for tid in range(len(t))]
+    if len(images_of_text) != len(t):
+        raise ValueError(f"images_of_text has {len(images_of_text)} entries for {len(t)} texts")
+    gt = [set(items) for items in images_of_text]
     texts_of_image: list[set[int]] = [set() for _ in range(len(v))]
     for tid, items in enumerate(gt):
         for i in items:
+            if not 0 <= i < len(v):
+                raise ValueError(
+                    f"ground truth image {i} of text {tid} outside the gallery (0..{len(v) - 1})"
+                )
             texts_of_image[i].add(tid)
     texts = list(range(len(t))) if query_texts is None else sorted(set(query_texts))
-    texts = [tid for tid in texts if gt[tid]]
-    wanted = set(texts)
-    images = [i for i, tid in enumerate(text_of_image) if tid in wanted]
+    images = sorted({i for tid in texts for i in gt[tid]})
     t2i = retrieval_recall(t[texts] @ v.T, [gt[tid] for tid in texts], ks)
     i2t = retrieval_recall(v[images] @ t.T, [texts_of_image[i] for i in images], ks)
     return {
@@ -99,6 +102,7 @@ def retrieval_report(
         "mean_recall": (t2i["mean"] + i2t["mean"]) / 2,
         "num_text_queries": len(texts),
         "num_image_queries": len(images),
+        "text_queries_without_ground_truth": sum(not gt[tid] for tid in texts),
         "gallery": {"images": len(v), "texts": len(t)},
     }
 
@@ -160,16 +164,14 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from rapiddiff.utils.device import resolve_device
-    from rapiddiff.utils.io import atomic_write_text
+    from rapiddiff.utils.io import atomic_write_text, read_text_lines
 
     device = resolve_device(args.device)
     names: list[str] | None = None
     if args.filter_entities is not None:
         if not args.filter_entities.is_file():
             raise FileNotFoundError(f"--filter-entities: file not found: {args.filter_entities}")
-        names = [
-            ln.strip() for ln in args.filter_entities.read_text(encoding="utf-8").splitlines() if ln.strip()
-        ]
+        names = [ln.strip() for _, ln in read_text_lines(args.filter_entities, what="--filter-entities")]
         if not names:
             raise ValueError(f"{args.filter_entities}: no entity names in it")
     report = evaluate_folder(
@@ -216,31 +218,36 @@ def evaluate_folder(
             rows.extend(batch["index"])
         if not captions:
             raise ValueError(f"{data}: no usable image–caption pairs")
+        # Identical captions share one encoding but stay separate queries (one per row).
         unique = list(dict.fromkeys(captions))
         text_id = {c: i for i, c in enumerate(unique)}
-        text_features = [
-            model.encode_text(unique[i : i + batch_size]).cpu()
-            for i in tqdm(range(0, len(unique), batch_size), desc="texts", unit="batch")
-        ]
+        unique_features = torch.cat(
+            [
+                model.encode_text(unique[i : i + batch_size]).cpu()
+                for i in tqdm(range(0, len(unique), batch_size), desc="texts", unit="batch")
+            ]
+        )
+    text_features = unique_features[[text_id[c] for c in captions]]  # (T, D), one per row
+    # The gallery holds each distinct image once (the same file captioned twice is one image).
+    image_of_row, first_row = _distinct_images(dataset, rows)
+    features = torch.cat(image_features)[first_row]  # (I, D)
+    images_of_text: list[set[int]] = [{image_of_row[k]} for k in range(len(rows))]
+    if ground_truth == "attributes":
+        matches = _attribute_matches(Path(data), unique, captions, rows)
+        for k, caption in enumerate(captions):
+            images_of_text[k] |= {image_of_row[i] for i in matches[text_id[caption]]}
     queries = None
     if entities is not None:
         wanted = set(entities)
         tagged = _caption_entities(Path(data))
         queries = [
-            i for i, c in enumerate(unique) if tagged.get(c) in wanted or any(name in c for name in entities)
+            k
+            for k, c in enumerate(captions)
+            if tagged.get(c) in wanted or any(name in c for name in entities)
         ]
         if not queries:
             raise ValueError(f"no caption in {data} mentions any of the {len(entities)} given entities")
-    images_of_text = (
-        _attribute_matches(Path(data), unique, captions, rows) if ground_truth == "attributes" else None
-    )
-    report = retrieval_report(
-        torch.cat(text_features),
-        torch.cat(image_features),
-        [text_id[c] for c in captions],
-        query_texts=queries,
-        images_of_text=images_of_text,
-    )
+    report = retrieval_report(text_features, features, images_of_text, query_texts=queries)
     report.update(
         model=str(model_dir),
         data=str(data),
@@ -254,17 +261,15 @@ def evaluate_folder(
 def _caption_entities(data: Path) -> dict[str, str]:
     """caption → entity from an imagefolder's metadata.jsonl ``entity`` field (kshapes writes it), so
     captions that use an alias (车厘子 for 樱桃) still count as mentions; {} when there is none."""
-    import json
+    from rapiddiff.data.loader import parse_json_lines
 
     meta = data / "metadata.jsonl" if data.is_dir() else None
     if meta is None or not meta.is_file():
         return {}
     out = {}
-    for line in meta.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if isinstance(row.get("entity"), str) and isinstance(row.get("text"), str):
-                out[row["text"]] = row["entity"]
+    for row in parse_json_lines(meta):  # malformed lines carry no entity (the loader skips them)
+        if isinstance(row.get("entity"), str) and isinstance(row.get("text"), str):
+            out[row["text"]] = row["entity"]
     return out
 
 
@@ -274,15 +279,17 @@ def _attribute_matches(data: Path, unique: list[str], captions: list[str], rows:
     Colour and shape are always stated (by attribute words or by the entity); background and
     position count when their names appear in the caption.
     """
-    import json
+    from rapiddiff.data.loader import ERROR_COLUMN, parse_json_lines
 
     meta = data / "metadata.jsonl"
     if not meta.is_file():
         raise FileNotFoundError(
             f"--ground-truth attributes needs {meta} (with colour, shape, background, position)"
         )
-    table = [json.loads(ln) for ln in meta.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    missing = [k for k in ("colour", "shape", "background", "position") if k not in table[0]]
+    # Record k is the loader's row k (the k-th non-blank line), malformed lines included.
+    table = list(parse_json_lines(meta))
+    good = next((row for row in table if not row.get(ERROR_COLUMN)), {})
+    missing = [k for k in ("colour", "shape", "background", "position") if k not in good]
     if missing:
         raise ValueError(f"{meta}: --ground-truth attributes needs the keys {missing} in every row")
     items = [table[r] for r in rows]  # metadata of gallery image i
@@ -295,6 +302,28 @@ def _attribute_matches(data: Path, unique: list[str], captions: list[str], rows:
         keys = ["colour", "shape"] + [k for k in ("background", "position") if str(ref[k]) in text]
         out.append({i for i, it in enumerate(items) if all(it[k] == ref[k] for k in keys)})
     return out
+
+
+def _distinct_images(dataset: Any, rows: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(gallery image id of each position in ``rows``, first position of each gallery image).
+
+    Two rows are one image when their image cells are equal (the same path, or the same bytes).
+    """
+    import hashlib
+
+    image_of_row: list[int] = []
+    first_row: list[int] = []
+    seen: dict[Any, int] = {}
+    for k, row in enumerate(rows):
+        value = dataset.image_cell(row)
+        if isinstance(value, dict):
+            value = value.get("bytes") or value.get("path")
+        key = hashlib.sha1(bytes(value)).hexdigest() if isinstance(value, (bytes, bytearray)) else str(value)
+        if key not in seen:
+            seen[key] = len(first_row)
+            first_row.append(k)
+        image_of_row.append(seen[key])
+    return image_of_row, first_row
 
 
 def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,11 +1,14 @@
-"""``rapiddiff eval report``: one self-contained HTML page (and a PNG grid) for an eval run.
+"""``rapiddiff eval report``: the page a person shares — one self-contained HTML file (and a PNG grid).
 
-The page holds, with nothing fetched from anywhere (images are base64 PNG thumbnails):
-the metrics table (every JSON file under ``RUN/metrics/`` plus any ``--metrics`` file, e.g. the
-output of ``eval recall --out``), a grid of samples per prompt for the run and for every
-sub-run (``knowledge_on/``, ``knowledge_off/``: seen side by side), and the model's config.
-A few lines of inline script count the images the browser decoded and write the count into
-``<body data-images-loaded="k/n">``, so a headless browser can check the page renders.
+Top to bottom: the results (knowledge accuracy for seen / held-out entities × knowledge on / off
+with 95 % Wilson intervals and the on − off lift; retrieval recall with intervals over the
+queries; FID, CLIPScore and any other metric file under ``RUN/metrics/`` or given with
+``--metrics``), bar charts drawn as inline SVG where they read better than numbers, then a block
+per prompt with each set's images large (``knowledge_on`` beside ``knowledge_off``), and last the
+sampling settings and model config, folded. Nothing is fetched: images are embedded, text uses a
+font stack that renders Chinese on Linux, macOS and Windows. A few lines of inline script record
+in ``<body>`` how many images the browser decoded and the smallest drawn width, for a headless
+browser to check.
 """
 
 from __future__ import annotations
@@ -15,27 +18,55 @@ import base64
 import html
 import io
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rapiddiff.eval.common import INDEX_NAME, METRICS_DIR, SAMPLE_INFO, open_rgb, read_index
 
-_CSS = """
-body{font-family:system-ui,"Noto Sans CJK SC","Microsoft YaHei",sans-serif;margin:24px;color:#222}
-h1{font-size:22px} h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:8px 0} td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px;
-vertical-align:top} th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums}
-.grid td{border:none;padding:2px} .prompt{font-size:13px;max-width:260px} img{display:block}
-.warn{color:#a40} pre{background:#f7f7f7;padding:8px;font-size:12px;overflow:auto;max-height:480px}
-.small{color:#666;font-size:12px} img{image-rendering:pixelated} td.gap{width:16px}
-"""
+# Fonts that render Chinese on common systems (Linux: Noto/Source Han/WenQuanYi; macOS: PingFang;
+# Windows: Microsoft YaHei), then the browser's sans-serif. Nothing is downloaded.
+FONT_STACK = (
+    '"Noto Sans CJK SC", "Source Han Sans SC", "PingFang SC", "Microsoft YaHei", '
+    '"WenQuanYi Micro Hei", sans-serif'
+)
 
+_CSS = """
+:root{--ink:#1d2330;--muted:#5b6474;--line:#d9dde5;--on:#2f6fdb;--off:#9aa3b2;--bg:#fafbfc}
+body{font-family:FONTS;margin:0;color:var(--ink);background:#fff;line-height:1.45}
+main{max-width:1320px;margin:0 auto;padding:28px 32px 64px}
+h1{font-size:28px;margin:0 0 4px} h2{font-size:21px;margin:36px 0 12px;padding-bottom:6px;
+border-bottom:2px solid var(--line)} h3{font-size:16px;margin:22px 0 8px}
+.small{color:var(--muted);font-size:13px} .warn{color:#a4400a;font-size:13px}
+table{border-collapse:collapse;margin:6px 0 10px;font-size:15px}
+th,td{border-bottom:1px solid var(--line);padding:7px 14px;text-align:left;vertical-align:top}
+th{background:var(--bg);font-weight:600;font-size:14px}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td.num .ci{color:var(--muted);font-size:12px;margin-left:6px}
+tr.lift td{background:#f4f8ff;font-weight:600}
+.plots{display:flex;flex-wrap:wrap;gap:28px} .plots figure{margin:0}
+figcaption{font-size:13px;color:var(--muted);max-width:460px}
+svg text{font-family:FONTS}
+.prompt{margin:26px 0 6px;font-size:19px;font-weight:600} .tags{font-size:13px;color:var(--muted)}
+.sets{display:flex;flex-wrap:wrap;gap:22px;align-items:flex-start}
+.set h4{margin:4px 0;font-size:14px;color:var(--muted);font-weight:600}
+.set.on h4{color:var(--on)}
+.images{display:flex;flex-wrap:wrap;gap:6px}
+.images img{display:block;border-radius:3px;background:#eee}
+img.pixel{image-rendering:pixelated}
+details{margin-top:10px} pre{background:var(--bg);padding:10px;font-size:12px;overflow:auto;max-height:480px}
+""".replace("FONTS", FONT_STACK)
+
+# After load, the page writes what a headless browser needs to check it rendered: images decoded
+# (naturalWidth > 0) of all, and the smallest width an image of the grids is drawn at.
 _SCRIPT = """
 window.addEventListener('load', function () {
   var imgs = Array.prototype.slice.call(document.images);
   var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
+  var widths = imgs.map(function (i) { return Math.round(i.getBoundingClientRect().width); });
   document.body.setAttribute('data-images-loaded', ok + '/' + imgs.length);
+  document.body.setAttribute('data-min-image-width', widths.length ? Math.min.apply(null, widths) : 0);
 });
 """
 
@@ -88,7 +119,7 @@ def _fmt(value: Any) -> str:
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """Numeric leaves of a JSON object as (dotted key, value); for files in other formats (recall)."""
+    """Numeric leaves of a JSON object as (dotted key, value); for files in other formats."""
     out: list[tuple[str, Any]] = []
     if isinstance(data, dict):
         for k, v in data.items():
@@ -118,10 +149,119 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def metrics_html(records: Sequence[dict[str, Any]]) -> str:
-    if not records:
-        return "<p class='small'>No metrics yet: run <code>rapiddiff eval fid|clipscore|knowledge</code> first.</p>"
-    rows, extras = [], []
+# ---------------------------------------------------------------------------- metrics, first
+Interval = tuple[float, float]
+SPLIT_NAMES = {"seen": "seen", "heldout": "held-out"}
+
+
+def wilson(percent: float, n: int) -> Interval:
+    """95 % Wilson interval (percent) of an accuracy given in percent over ``n`` trials."""
+    from rapiddiff.eval.knowledge import wilson_interval
+
+    return wilson_interval(round(percent * n / 100), n)
+
+
+def _pct(value: float | None, ci: Interval | None = None) -> str:
+    if value is None:
+        return "<td class='num'>—</td>"
+    interval = f"<span class='ci'>{ci[0]:.1f}–{ci[1]:.1f}</span>" if ci else ""
+    return f"<td class='num'>{value:.1f} %{interval}</td>"
+
+
+def _is_knowledge(r: dict[str, Any]) -> bool:
+    return r.get("metric") == "knowledge" and isinstance(r.get("table"), list)
+
+
+def _is_recall(r: dict[str, Any]) -> bool:
+    return isinstance(r.get("text_to_image"), dict) and isinstance(r.get("image_to_text"), dict)
+
+
+def knowledge_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The knowledge table's rows with 95 % Wilson intervals for colour, shape and both."""
+    rows = []
+    for row in record["table"]:
+        n = int(row.get("images", 0))
+        ci = {k: wilson(float(row[k]), n) for k in ("colour", "shape", "both") if k in row}
+        if row.get("both_ci95"):
+            ci["both"] = tuple(row["both_ci95"])  # as eval knowledge computed it
+        rows.append({**row, "ci": ci})
+    return rows
+
+
+def knowledge_html(record: dict[str, Any]) -> str:
+    rows = knowledge_rows(record)
+    out = [
+        "<h3>Knowledge accuracy: does the image show the entity's colour and shape?</h3>",
+        "<table class='knowledge'><tr><th>entities</th><th>knowledge</th><th>images</th>"
+        "<th>colour right</th><th>shape right</th><th>both right</th></tr>",
+    ]
+    for split in dict.fromkeys(r["split"] for r in rows):
+        by_mode = {r["knowledge"]: r for r in rows if r["split"] == split}
+        for mode, r in by_mode.items():
+            entities = f" ({r['entities']})" if "entities" in r else ""
+            out.append(
+                f"<tr><td>{html.escape(SPLIT_NAMES.get(split, split))}{entities}</td>"
+                f"<td>{html.escape(str(mode))}</td><td class='num'>{r.get('images', '')}</td>"
+                + "".join(_pct(r.get(k), r["ci"].get(k)) for k in ("colour", "shape", "both"))
+                + "</tr>"
+            )
+        if "on" in by_mode and "off" in by_mode:
+            on, off = by_mode["on"], by_mode["off"]
+            out.append(
+                f"<tr class='lift'><td>{html.escape(SPLIT_NAMES.get(split, split))}</td>"
+                "<td>on − off</td><td></td>"
+                + "".join(
+                    f"<td class='num'>{on[k] - off[k]:+.1f} pt</td>" for k in ("colour", "shape", "both")
+                )
+                + "</tr>"
+            )
+    out.append("</table>")
+    chance = record.get("details", {}).get("chance")
+    note = "95 % Wilson intervals in grey (images treated as independent draws)."
+    if chance:
+        note += (
+            f" Chance (uniform guess): colour {chance['colour']:.1f} %, shape {chance['shape']:.1f} %, "
+            f"both {chance['both']:.1f} %."
+        )
+    out.append(f"<p class='small'>{note}</p>")
+    out += [f"<div class='warn'>⚠ {html.escape(w)}</div>" for w in record.get("warnings", [])]
+    return "".join(out)
+
+
+def _recall_label(r: dict[str, Any]) -> str:
+    parts = [Path(r["_file"]).stem]
+    if "knowledge" in r:
+        parts.append(f"knowledge {'on' if r['knowledge'] else 'off'}")
+    if r.get("entities"):
+        parts.append(f"captions naming {len(r['entities'])} listed entities")
+    return " · ".join(parts)
+
+
+def recall_html(records: Sequence[dict[str, Any]]) -> str:
+    ks = [k for k in records[0]["text_to_image"] if k.startswith("R@")]
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in ks)
+    out = [
+        "<h3>Retrieval recall (Chinese-CLIP protocol)</h3>",
+        f"<table class='recall'><tr><th>run</th><th>direction</th>{head}<th>mean</th><th>queries</th></tr>",
+    ]
+    for r in records:
+        for key, name, nq in (
+            ("text_to_image", "text → image", "num_text_queries"),
+            ("image_to_text", "image → text", "num_image_queries"),
+        ):
+            n = int(r.get(nq, 0))
+            row = r[key]
+            out.append(
+                f"<tr><td>{html.escape(_recall_label(r))}</td><td>{name}</td>"
+                + "".join(_pct(row.get(k), wilson(row[k], n) if n and k in row else None) for k in ks)
+                + f"<td class='num'>{row.get('mean', 0):.1f}</td><td class='num'>{n}</td></tr>"
+            )
+    out.append("</table><p class='small'>95 % Wilson intervals over the queries in grey.</p>")
+    return "".join(out)
+
+
+def other_metrics_html(records: Sequence[dict[str, Any]]) -> str:
+    rows = []
     for r in records:
         source = html.escape(Path(r["_file"]).name)
         if "label" in r and "value" in r:
@@ -134,23 +274,175 @@ def metrics_html(records: Sequence[dict[str, Any]]) -> str:
             n = ", ".join(f"{k} {d[k]}" for k in ("n_real", "n_fake", "pairs", "images_per_mode") if k in d)
             warn = "".join(f"<div class='warn'>⚠ {html.escape(w)}</div>" for w in r.get("warnings", []))
             value = "—" if r["value"] is None else _fmt(r["value"])
+            if r["value"] is not None and d.get("std") is not None and d.get("pairs", 0) > 1:
+                half = 1.96 * float(d["std"]) / float(d["pairs"]) ** 0.5  # normal approximation of the mean
+                value += f"<span class='ci'>± {half:.2f}</span>"
             rows.append(
                 f"<tr><td>{html.escape(str(r['label']))}</td><td class='num'>{value}</td>"
                 f"<td class='small'>{html.escape(n)}</td><td class='small'>{html.escape(how)}{warn}</td>"
                 f"<td class='small'>{source}</td></tr>"
             )
             if r.get("table"):
-                extras.append(f"<h3>{html.escape(str(r['label']))}</h3>" + _table(r["table"]))
-        else:  # a file in another format, e.g. `eval recall --out`: its numbers, flattened
+                rows.append(f"<tr><td colspan='5'>{_table(r['table'])}</td></tr>")
+        else:  # another format: its numbers, flattened
             for key, value in _flatten(r):
                 rows.append(
                     f"<tr><td>{html.escape(key)}</td><td class='num'>{_fmt(value)}</td><td></td><td></td>"
                     f"<td class='small'>{source}</td></tr>"
                 )
+    if not rows:
+        return ""
     head = "<tr><th>metric</th><th>value</th><th>images</th><th>how it was measured</th><th>file</th></tr>"
-    return f"<table>{head}{''.join(rows)}</table>" + "".join(extras)
+    return f"<h3>Other metrics</h3><table class='other'>{head}{''.join(rows)}</table>"
 
 
+def metrics_html(records: Sequence[dict[str, Any]]) -> str:
+    """The results: knowledge accuracy (seen / held-out × on / off), recall, then the rest."""
+    if not records:
+        return "<p class='small'>No metrics yet: run <code>rapiddiff eval fid|clipscore|knowledge</code> first.</p>"
+    knowledge = [r for r in records if _is_knowledge(r)]
+    recall = [r for r in records if _is_recall(r)]
+    rest = [r for r in records if not _is_knowledge(r) and not _is_recall(r)]
+    parts = [knowledge_html(r) for r in knowledge]
+    if recall:
+        parts.append(recall_html(recall))
+    parts.append(other_metrics_html(rest))
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------- plots (inline SVG)
+def bar_chart_svg(
+    title: str,
+    groups: Sequence[str],
+    series: Sequence[tuple[str, str]],
+    values: dict[tuple[str, str], tuple[float, Interval | None]],
+    *,
+    reference: tuple[float, str] | None = None,
+    width: int = 380,
+    height: int = 280,
+) -> str:
+    """Grouped bars (0–100 %) with 95 % interval whiskers; ``series`` is (name, colour)."""
+    left, right, top, bottom = 44, 12, 46, 34
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def y(v: float) -> float:
+        return top + plot_h * (1 - max(0.0, min(100.0, v)) / 100)
+
+    parts = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"viewBox='0 0 {width} {height}' role='img' aria-label='{html.escape(title, quote=True)}'>",
+        f"<text x='{left}' y='18' font-size='14' font-weight='600' fill='#1d2330'>{html.escape(title)}</text>",
+    ]
+    for tick in (0, 25, 50, 75, 100):
+        parts.append(
+            f"<line x1='{left}' x2='{left + plot_w}' y1='{y(tick):.1f}' y2='{y(tick):.1f}' stroke='#e3e6ec'/>"
+            f"<text x='{left - 6}' y='{y(tick) + 4:.1f}' font-size='11' text-anchor='end' fill='#5b6474'>{tick}</text>"
+        )
+    for k, (name, colour) in enumerate(series):  # legend
+        x = left + k * 120
+        parts.append(
+            f"<rect x='{x}' y='27' width='11' height='11' fill='{colour}'/>"
+            f"<text x='{x + 16}' y='37' font-size='12' fill='#1d2330'>{html.escape(name)}</text>"
+        )
+    group_w = plot_w / max(1, len(groups))
+    bar_w = min(46.0, group_w * 0.8 / max(1, len(series)))
+    for g, group in enumerate(groups):
+        x0 = left + g * group_w + (group_w - bar_w * len(series)) / 2
+        for k, (name, colour) in enumerate(series):
+            if (group, name) not in values:
+                continue
+            value, ci = values[(group, name)]
+            x = x0 + k * bar_w
+            parts.append(
+                f"<rect class='bar' x='{x + 2:.1f}' y='{y(value):.1f}' width='{bar_w - 4:.1f}' "
+                f"height='{y(0) - y(value):.1f}' fill='{colour}'><title>{html.escape(group)}, "
+                f"{html.escape(name)}: {value:.1f} %</title></rect>"
+            )
+            mid = x + bar_w / 2
+            if ci:
+                parts.append(
+                    f"<path d='M{mid:.1f},{y(ci[0]):.1f}V{y(ci[1]):.1f}M{mid - 5:.1f},{y(ci[0]):.1f}"
+                    f"h10M{mid - 5:.1f},{y(ci[1]):.1f}h10' stroke='#1d2330' stroke-width='1.2' fill='none'/>"
+                )
+            label_y = min(y(value), y(ci[1]) if ci else y(value)) - 4
+            parts.append(
+                f"<text x='{mid:.1f}' y='{label_y:.1f}' font-size='11' text-anchor='middle' "
+                f"fill='#1d2330'>{value:.0f}</text>"
+            )
+        parts.append(
+            f"<text x='{left + (g + 0.5) * group_w:.1f}' y='{height - 12}' font-size='13' "
+            f"text-anchor='middle' fill='#1d2330'>{html.escape(group)}</text>"
+        )
+    if reference is not None:  # a dashed line across the plot, named in the legend row
+        ref, label = reference
+        x = left + len(series) * 120
+        parts.append(
+            f"<line x1='{left}' x2='{left + plot_w}' y1='{y(ref):.1f}' y2='{y(ref):.1f}' "
+            "stroke='#a4400a' stroke-dasharray='4 3'/>"
+            f"<line x1='{x}' x2='{x + 14}' y1='32.5' y2='32.5' stroke='#a4400a' stroke-dasharray='4 3'/>"
+            f"<text x='{x + 18}' y='37' font-size='12' fill='#a4400a'>{html.escape(label)}</text>"
+        )
+    parts.append(f"<line x1='{left}' x2='{left + plot_w}' y1='{y(0)}' y2='{y(0)}' stroke='#1d2330'/></svg>")
+    return "".join(parts)
+
+
+ON, OFF = "#2f6fdb", "#9aa3b2"
+PALETTE = ("#2f6fdb", "#9aa3b2", "#e0892b", "#3aa17e", "#8a5cc9", "#c94f6d")
+
+
+def plots_html(records: Sequence[dict[str, Any]]) -> str:
+    """Bar charts where they read better than the table: accuracy on/off per split, recall per run."""
+    figures = []
+    for record in (r for r in records if _is_knowledge(r)):
+        rows = knowledge_rows(record)
+        splits = list(dict.fromkeys(r["split"] for r in rows))
+        modes = list(dict.fromkeys(r["knowledge"] for r in rows))
+        colours = {"on": ON, "off": OFF}
+        series = [(f"knowledge {m}", colours.get(m, PALETTE[i % len(PALETTE)])) for i, m in enumerate(modes)]
+        chance = record.get("details", {}).get("chance", {})
+        for key, what in (
+            ("both", "colour and shape right"),
+            ("colour", "colour right"),
+            ("shape", "shape right"),
+        ):
+            values = {
+                (SPLIT_NAMES.get(r["split"], r["split"]), f"knowledge {r['knowledge']}"): (
+                    float(r[key]),
+                    r["ci"].get(key),
+                )
+                for r in rows
+                if key in r
+            }
+            ref = (chance[key], f"chance {chance[key]:.0f} %") if key in chance else None
+            svg = bar_chart_svg(
+                f"{what}, %", [SPLIT_NAMES.get(s, s) for s in splits], series, values, reference=ref
+            )
+            figures.append(
+                f"<figure>{svg}<figcaption>{html.escape(what)}: seen vs held-out entities, knowledge on "
+                "vs off; whiskers are 95 % Wilson intervals.</figcaption></figure>"
+            )
+    recall = [r for r in records if _is_recall(r)]
+    if recall:
+        ks = [k for k in recall[0]["text_to_image"] if k.startswith("R@")]
+        series = [(_recall_label(r), PALETTE[i % len(PALETTE)]) for i, r in enumerate(recall)]
+        values = {}
+        for r, (name, _) in zip(recall, series, strict=True):
+            n = int(r.get("num_text_queries", 0))
+            for k in ks:
+                if k in r["text_to_image"]:
+                    v = float(r["text_to_image"][k])
+                    values[(k, name)] = (v, wilson(v, n) if n else None)
+        svg = bar_chart_svg("text → image recall, %", ks, series, values, width=max(380, 140 * len(series)))
+        figures.append(
+            f"<figure>{svg}<figcaption>Text → image recall at K per run; whiskers are 95 % Wilson "
+            "intervals over the queries.</figcaption></figure>"
+        )
+    if not figures:
+        return ""
+    return f"<section id='plots'><h2>Plots</h2><div class='plots'>{''.join(figures)}</div></section>"
+
+
+# ---------------------------------------------------------------------------- sample grids
 def comparable(sets: Sequence[tuple[str, Path]]) -> bool:
     """Do the sample sets share one prompt list (e.g. knowledge_on / knowledge_off, or two
     checkpoints sampled from one prompt file)? Then they are shown side by side."""
@@ -160,48 +452,72 @@ def comparable(sets: Sequence[tuple[str, Path]]) -> bool:
     return all(sorted(set(k)) == sorted(set(keys[0])) for k in keys[1:])
 
 
-def _cell(run: Path, row: dict[str, Any], thumb: int) -> str:
+def embed(path: Path, size: int) -> tuple[str, int, int]:
+    """(data URI, width, height) of an image no larger than ``size``: PNG, or JPEG where that is
+    much smaller (photographic samples), so a page of hundreds of large images stays shareable."""
+    img = thumbnail(path, size)
+    uri = data_uri(img)
+    if len(uri) > 60_000:
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=90)
+        jpeg = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        uri = jpeg if len(jpeg) < 0.7 * len(uri) else uri
+    return uri, img.width, img.height
+
+
+def _image(run: Path, row: dict[str, Any], size: int) -> str:
     path = run / row["file"]
     if not path.is_file():
-        return f"<td class='small'>missing: {html.escape(row['file'])}</td>"
+        return f"<span class='small'>missing: {html.escape(row['file'])}</span>"
     alt = html.escape(f"{row['prompt']} (seed {row.get('seed')})", quote=True)
-    img = thumbnail(path, thumb)
-    # Small images (kshapes' 64-128 px) are shown enlarged to the thumbnail box, pixel for pixel.
-    scale = thumb / max(img.size)
-    w, h = round(img.width * scale), round(img.height * scale)
-    return f"<td><img src='{data_uri(img)}' width='{w}' height='{h}' alt='{alt}' title='{alt}'></td>"
+    uri, w, h = embed(path, size)
+    # Small images (kshapes' 64–128 px) are drawn enlarged, pixel for pixel, to the display size.
+    scale = size / max(w, h)
+    cls = " class='pixel'" if scale > 1 else ""
+    return (
+        f"<img src='{uri}'{cls} width='{round(w * scale)}' height='{round(h * scale)}' alt='{alt}' "
+        f"title='{alt}'>"
+    )
 
 
-def grid_html(sets: Sequence[tuple[str, Path]], max_prompts: int, max_images: int, thumb: int) -> str:
-    """One grid, rows = prompts, a column group per set (sets that share prompts) or one per set."""
+def _set_order(name: str) -> tuple[int, str]:
+    return (1 if name.endswith("_off") else 0, name)  # knowledge_on before knowledge_off
+
+
+def grid_html(sets: Sequence[tuple[str, Path]], max_prompts: int, max_images: int, image_size: int) -> str:
+    """A block per prompt (grouped by split when the prompts carry one): the prompt in large type,
+    then each set's images at ``image_size`` px, sets side by side."""
+    sets = sorted(sets, key=lambda s: _set_order(s[0]))
     indexes = {name: grouped(read_index(path), 10**9, max_images) for name, path in sets}
-    cols = {name: max(len(rows) for _, rows in groups) for name, groups in indexes.items()}
-    names = ", ".join(f"{name} ({len(read_index(path))} images)" for name, path in sets)
-    parts = [f"<h2>Samples: {html.escape(names)}</h2>", "<table class='grid'>"]
-    if len(sets) > 1:
-        parts.append(
-            "<tr><th></th>"
-            + "".join(f"<th colspan='{cols[name] + 1}'>{html.escape(name)}</th>" for name, _ in sets)
-            + "</tr>"
-        )
-    base_name = sets[0][0]
     by_key = {
         name: {(f.get("index"), f["prompt"]): rows for f, rows in groups} for name, groups in indexes.items()
     }
-    for first, _ in indexes[base_name][:max_prompts]:
+    firsts = [first for first, _ in indexes[sets[0][0]]][:max_prompts]
+    splits = list(dict.fromkeys(f.get("split") for f in firsts))
+    order = {s: i for i, s in enumerate(["seen", "heldout", *splits])}
+    firsts.sort(key=lambda f: order[f.get("split")])  # stable: prompt order within a split
+    names = ", ".join(f"{name} ({len(read_index(path))} images)" for name, path in sets)
+    parts = [f"<h2>Samples</h2><p class='small'>{html.escape(names)}</p>"]
+    current: Any = object()
+    for first in firsts:
+        if first.get("split") != current and len(splits) > 1:
+            current = first.get("split")
+            parts.append(f"<h3>{html.escape(SPLIT_NAMES.get(current, str(current)))} entities</h3>")
         key = (first.get("index"), first["prompt"])
-        tags = " ".join(f"{k}={first[k]}" for k in ("entity", "split", "colour", "shape") if first.get(k))
-        cells = []
+        tags = " · ".join(f"{k} {first[k]}" for k in ("entity", "colour", "shape") if first.get(k))
+        blocks = []
         for name, path in sets:
             rows = by_key[name].get(key, [])
-            cells += [_cell(path, row, thumb) for row in rows]
-            cells += ["<td></td>"] * (cols[name] - len(rows)) + ["<td class='gap'></td>"] * (len(sets) > 1)
+            images = "".join(_image(path, row, image_size) for row in rows)
+            cls = "set on" if name.endswith("_on") else "set"
+            blocks.append(
+                f"<div class='{cls}'><h4>{html.escape(name)}</h4><div class='images'>{images}</div></div>"
+            )
         parts.append(
-            f"<tr><td class='prompt'>{html.escape(first['prompt'])}<div class='small'>"
-            f"{html.escape(tags)}</div></td>{''.join(cells)}</tr>"
+            f"<div class='sample'><div class='prompt'>{html.escape(first['prompt'])}</div>"
+            f"<div class='tags'>{html.escape(tags)}</div><div class='sets'>{''.join(blocks)}</div></div>"
         )
-    parts.append("</table>")
-    return "".join(parts)
+    return "<section class='samples'>" + "".join(parts) + "</section>"
 
 
 def png_grid(
@@ -242,11 +558,11 @@ def build_report(
     extra_metrics: Sequence[Path] = (),
     model: Path | None = None,
     max_prompts: int = 32,
-    max_images: int = 8,
-    thumb: int = 128,
+    max_images: int = 4,
+    image_size: int = 256,
     title: str | None = None,
 ) -> str:
-    """The HTML text of the report."""
+    """The HTML text of the report: results first, then plots, samples, and how they were made."""
     from rapiddiff import __version__
 
     run = Path(run)
@@ -267,45 +583,61 @@ def build_report(
             info = json.loads((path / SAMPLE_INFO).read_text(encoding="utf-8"))
             settings[path.name] = info.get("settings", {})
             config = config or info.get("model_config")
+    records = load_metrics(run, extra_metrics)
     title = title or f"rapiddiff evaluation: {run.name}"
+    grids = (
+        [grid_html(sets, max_prompts, max_images, image_size)]
+        if comparable(sets)
+        else [grid_html([one], max_prompts, max_images, image_size) for one in sets]
+    )
     body = [
         f"<h1>{html.escape(title)}</h1>",
-        f"<p class='small'>{html.escape(str(run.resolve()))} · rapiddiff {__version__}</p>",
-        "<h2>Metrics</h2>",
-        metrics_html(load_metrics(run, extra_metrics)),
-        *(
-            [grid_html(sets, max_prompts, max_images, thumb)]
-            if comparable(sets)
-            else [grid_html([one], max_prompts, max_images, thumb) for one in sets]
-        ),
-        "<h2>Sampling settings</h2>",
-        f"<pre>{html.escape(json.dumps(settings, ensure_ascii=False, indent=2))}</pre>",
-        "<h2>Model config</h2>",
-        f"<pre>{html.escape(json.dumps(config, ensure_ascii=False, indent=2)) if config else 'not recorded'}</pre>",
+        f"<p class='small'>{html.escape(str(run.resolve()))} · rapiddiff {__version__} · "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}</p>",
+        f"<section id='metrics'><h2>Results</h2>{metrics_html(records)}</section>",
+        plots_html(records),
+        *grids,
+        "<section id='settings'><h2>How these were made</h2>",
+        "<details><summary>Sampling settings</summary>"
+        f"<pre>{html.escape(json.dumps(settings, ensure_ascii=False, indent=2))}</pre></details>",
+        "<details><summary>Model config</summary><pre>"
+        f"{html.escape(json.dumps(config, ensure_ascii=False, indent=2)) if config else 'not recorded'}"
+        "</pre></details></section>",
     ]
     return (
-        "<!DOCTYPE html><html lang='zh'><head><meta charset='utf-8'>"
+        "<!DOCTYPE html><html lang='zh-CN'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>{html.escape(title)}</title><style>{_CSS}</style><script>{_SCRIPT}</script></head>"
-        f"<body>{''.join(body)}</body></html>\n"
+        f"<body><main>{''.join(body)}</main></body></html>\n"
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "One self-contained HTML page for an eval run (images embedded as base64 thumbnails): the metrics "
-        "table from RUN/metrics/*.json (and --metrics files), a sample grid per prompt for the run and its "
-        "sub-runs, the sampling settings and the model's config. Also writes a PNG grid."
+        "One self-contained HTML page for an eval run, to share: the results first (knowledge accuracy "
+        "seen / held-out × on / off and recall, with 95 %% intervals; FID, CLIPScore), bar charts, large "
+        "sample images per prompt for the run and its sub-runs side by side, then the sampling settings "
+        "and model config. Images are embedded; nothing is fetched. Also writes a PNG grid."
     )
     parser.add_argument("run", type=Path, help="eval run folder (eval sample / eval knowledge output)")
     parser.add_argument("--out", type=Path, help="HTML file (default: RUN/report.html)")
     parser.add_argument("--png", type=Path, help="PNG grid (default: RUN/report.png)")
     parser.add_argument(
-        "--metrics", type=Path, nargs="*", default=[], help="more metrics JSON files to include"
+        "--metrics",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="more metrics JSON files to include (e.g. eval recall --out)",
     )
     parser.add_argument("--model", type=Path, help="model folder whose config to show (default: as recorded)")
-    parser.add_argument("--max-prompts", type=int, default=32, help="prompts per sample grid (default: 32)")
-    parser.add_argument("--max-images", type=int, default=8, help="images per prompt (default: 8)")
-    parser.add_argument("--thumb", type=int, default=128, help="thumbnail size in pixels (default: 128)")
+    parser.add_argument("--max-prompts", type=int, default=32, help="prompts shown (default: 32)")
+    parser.add_argument("--max-images", type=int, default=4, help="images per prompt and set (default: 4)")
+    parser.add_argument(
+        "--image-size", type=int, default=256, help="size images are shown at in the page, px (default: 256)"
+    )
+    parser.add_argument(
+        "--thumb", type=int, default=128, help="image size in the PNG grid, px (default: 128)"
+    )
     parser.add_argument("--title", help="page title")
 
 
@@ -315,18 +647,20 @@ def run(args: argparse.Namespace) -> int:
     for path in args.metrics:
         if not path.is_file():
             raise FileNotFoundError(f"--metrics: file not found: {path}")
+    if args.image_size < 16 or args.thumb < 8:
+        raise ValueError("--image-size must be ≥ 16 and --thumb ≥ 8")
     page = build_report(
         args.run,
         extra_metrics=args.metrics,
         model=args.model,
         max_prompts=args.max_prompts,
         max_images=args.max_images,
-        thumb=args.thumb,
+        image_size=args.image_size,
         title=args.title,
     )
     out = args.out or args.run / "report.html"
     atomic_write_text(out, page)
-    sets = sample_sets(args.run)
+    sets = sorted(sample_sets(args.run), key=lambda s: _set_order(s[0]))
     png = png_grid(
         sets if comparable(sets) else sets[:1],
         args.png or args.run / "report.png",

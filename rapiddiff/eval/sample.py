@@ -30,6 +30,7 @@ from rapiddiff.eval.common import (
     write_json,
     write_jsonl,
 )
+from rapiddiff.utils.io import read_text_lines
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -100,9 +101,7 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
                     f"{path}: record {number} has no string 'text' field (keys: {', '.join(row)})"
                 )
     else:
-        rows = [
-            {"text": line.strip()} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-        ]
+        rows = [{"text": line.strip()} for _, line in read_text_lines(path, what="prompt")]
     if not rows:
         raise ValueError(f"{path}: no prompts in it")
     return rows

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rapiddiff.utils.io import atomic_open
+from rapiddiff.utils.io import atomic_open, read_text_lines
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -128,8 +128,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
         file = Path(args.prompts)
         if not file.is_file():
             raise FileNotFoundError(f"--prompts: file not found: {file}")
-        lines = file.read_text(encoding="utf-8-sig").splitlines()
-        prompts += [line.strip() for line in lines if line.strip()]
+        prompts += [line.strip() for _, line in read_text_lines(file, what="--prompts")]
         if not prompts:
             raise ValueError(f"--prompts: {file} holds no prompt (one prompt a line)")
     return prompts

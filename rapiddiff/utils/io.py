@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from rapiddiff.utils.logging import get_logger
+
 SAFETENSORS_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".pth", ".pt", ".ckpt", ".bin")
 
@@ -43,6 +45,25 @@ def atomic_open(path: str | Path, mode: str = "wb", encoding: str | None = None)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def removed_if_failed(folder: str | Path | None) -> Iterator[None]:
+    """Remove ``folder`` if the block raises and the folder did not exist before it: a command
+    that fails leaves no empty or half-written output folder behind."""
+    if folder is None:
+        yield
+        return
+    folder = Path(folder)
+    existed = folder.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir():
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
         raise
 
 
@@ -103,3 +124,93 @@ def load_weights(path: str | Path, device: str = "cpu") -> dict[str, Any]:
             f"{path}: expected a state dict (a mapping of names to tensors), got {type(state).__name__}"
         )
     return state
+
+
+# ----------------------------------------------------------------------------- text files
+class TextEncodingError(ValueError):
+    """A text file that is neither UTF-8 nor unambiguous GB18030; the message names file and line."""
+
+
+# Byte-order marks, longest first (the UTF-32 LE mark begins with the UTF-16 LE one).
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "utf-32-le"),
+    (b"\x00\x00\xfe\xff", "utf-32-be"),
+    (b"\xef\xbb\xbf", "utf-8"),
+    (b"\xff\xfe", "utf-16-le"),
+    (b"\xfe\xff", "utf-16-be"),
+    (b"\x84\x31\x95\x33", "gb18030"),
+)
+
+
+def _looks_chinese(text: str) -> bool:
+    """Whether the non-ASCII characters of ``text`` are those of everyday Chinese writing.
+
+    GB18030 decodes many byte sequences that were never GB18030 (UTF-8 or Latin-1 bytes decode
+    to rare ideographs from its extensions), so a GB18030 reading is accepted only when at least
+    90 % of its non-ASCII characters are in GB2312 — the 6,763 common hanzi and the CJK
+    punctuation (，。“”《》·) that modern Chinese text is written with.
+    """
+    foreign = [c for c in text if ord(c) > 0x7F]
+    if not foreign:
+        return True
+    common = 0
+    for c in foreign:
+        try:
+            c.encode("gb2312")
+            common += 1
+        except UnicodeEncodeError:
+            pass
+    return common >= 0.9 * len(foreign)
+
+
+def decode_text(data: bytes, path: str | Path) -> tuple[str, str]:
+    """(text, encoding) of a text file's bytes: a byte-order mark decides; else UTF-8; else GB18030
+    when it decodes strictly to Chinese text. Otherwise :class:`TextEncodingError` names the file,
+    the first line that is not UTF-8, and the fix."""
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data[len(bom) :].decode(encoding), encoding
+            except UnicodeDecodeError as err:
+                line = data[: len(bom) + err.start].count(b"\n") + 1 if encoding == "utf-8" else None
+                where = f"{path}:{line}" if line else str(path)
+                raise TextEncodingError(
+                    f"{where}: starts with a {encoding} byte-order mark but is not valid {encoding} "
+                    f"({err.reason}); save it again as UTF-8"
+                ) from err
+    try:
+        return data.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError as err:
+        utf8_error = err
+    try:
+        text = data.decode("gb18030")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and _looks_chinese(text):
+        return text, "gb18030"
+    start = data.rfind(b"\n", 0, utf8_error.start) + 1
+    line = data.count(b"\n", 0, utf8_error.start) + 1
+    byte = data[utf8_error.start : utf8_error.start + 1]
+    raise TextEncodingError(
+        f"{path}:{line}: not valid UTF-8 (byte {byte!r} at column {utf8_error.start - start + 1}), "
+        "nor Chinese text in GB18030/GBK; save the file as UTF-8, e.g. "
+        f"iconv -f <its encoding> -t UTF-8 {Path(path).name} > {Path(path).stem}.utf8{Path(path).suffix}"
+    )
+
+
+def read_text_lines(path: str | Path, *, what: str = "text") -> list[tuple[int, str]]:
+    """(1-based line number, line) for every non-blank line of a text file, line endings removed.
+
+    Encodings as :func:`decode_text` reads them (UTF-8 with or without a BOM, UTF-16/32 with a
+    BOM, or GB18030/GBK Chinese text), so a prompt file saved by a Chinese Windows editor is read
+    as written and any other non-UTF-8 file is refused with its file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    text, encoding = decode_text(path.read_bytes(), path)
+    if encoding == "gb18030":
+        get_logger(__name__).info("%s: not UTF-8; read as GB18030 (Chinese text)", path)
+    # splitlines() would also split on U+2028, U+001C... that may sit inside a line of text.
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]

@@ -1,6 +1,9 @@
-"""retrieval_recall against hand-computed figures: ties, several ground truths, both GT forms."""
+"""retrieval_recall against hand-computed figures (ties, several ground truths, both GT forms) and
+against Chinese-CLIP's own scorer (cn_clip/eval/evaluation.py, evaluation_tr.py) on the same top-K lists."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -38,23 +41,85 @@ def test_tie_break_prefers_lower_id_even_when_ground_truth_is_higher():
     assert retrieval_recall(sim, [{4}]) == {"R@1": 0.0, "R@5": 100.0, "R@10": 100.0, "mean": 200 / 3}
 
 
-def test_bad_ground_truth_is_an_error():
+def test_bad_ground_truth_is_an_error_and_a_query_without_any_is_a_miss():
     with pytest.raises(ValueError, match="outside the gallery"):
         retrieval_recall(torch.zeros(1, 3), [{3}])
-    with pytest.raises(ValueError, match="no ground-truth"):
-        retrieval_recall(torch.zeros(2, 3), [{0}, set()])
+    # cn_clip counts a text whose image_ids are empty as a query that never hits.
+    got = retrieval_recall(torch.eye(2, 3), [{0}, set()], ks=(1, 3))
+    assert got == {"R@1": 50.0, "R@3": 50.0, "mean": 50.0}
 
 
-def test_report_groups_identical_captions_and_filters_queries():
-    # 3 texts, 4 images; images 0 and 3 share text 0. Features: image i aligned with its text.
-    texts = torch.eye(3)
+def test_report_keeps_identical_captions_as_separate_queries_and_filters_queries():
+    # Texts 0 and 3 are the same caption (same features); images 0 and 3 are theirs.
+    texts = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [1.0, 0, 0]])
     images = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [0.9, 0.1, 0]])
-    report = retrieval_report(texts, images, [0, 1, 2, 0], ks=(1,))
-    assert report["text_to_image"]["R@1"] == 100.0
-    assert report["image_to_text"]["R@1"] == 100.0
-    only = retrieval_report(texts, images, [0, 1, 2, 0], query_texts=[0], ks=(1,))
-    assert only["num_text_queries"] == 1 and only["num_image_queries"] == 2
+    report = retrieval_report(texts, images, [{0}, {1}, {2}, {3}], ks=(1,))
+    # Text 3's best image is image 0 (text 0's): a miss, as in Chinese-CLIP; merged captions
+    # would have counted it a hit.
+    assert report["text_to_image"]["R@1"] == 75.0
+    assert report["num_text_queries"] == 4 and report["num_image_queries"] == 4
+    # Image 0 and 3's best text is text 0 (tie with text 3, lower id first): image 3 misses.
+    assert report["image_to_text"]["R@1"] == 75.0
+    only = retrieval_report(texts, images, [{0}, {1}, {2}, {3}], query_texts=[0, 3], ks=(1,))
+    assert only["num_text_queries"] == 2 and only["num_image_queries"] == 2
     assert "text → image" in format_table(report, ks=(1,))
+    lonely = retrieval_report(texts, images, [{0}, {1}, {2}, set()], ks=(1,))
+    assert lonely["text_queries_without_ground_truth"] == 1
+    assert lonely["text_to_image"]["R@1"] == 75.0  # the text without an image is a miss
+
+
+def _top_k(sim: torch.Tensor, k: int) -> list[list[int]]:
+    """Top-K ids per row, in the order retrieval_recall ranks them (ties: lower id first)."""
+    return torch.sort(-sim, dim=1, stable=True).indices[:, :k].tolist()
+
+
+def test_recall_equals_chinese_clip_scorer_on_the_same_top_k_lists(tmp_path):
+    """Chinese-CLIP's protocol on a set with repeated captions, shared images and a text without
+    an image, scored by cn_clip's own compute_score from the same top-10 lists."""
+    cn_eval = pytest.importorskip("cn_clip.eval.evaluation", reason="cn_clip is not installed")
+    cn_eval_tr = pytest.importorskip("cn_clip.eval.evaluation_tr")
+    g = torch.Generator().manual_seed(0)
+    n_images, dim = 40, 16
+    images = torch.randn(n_images, dim, generator=g)
+    captions = torch.randn(50, dim, generator=g)
+    # Texts: 50 distinct captions + 6 repeats (10 %), each text near its own image.
+    caption_of_text = [*range(50), 3, 7, 11, 19, 23, 42]
+    image_of_text = [t % n_images for t in range(50)] + [30, 31, 32, 33, 34, 35]
+    noise = 0.8 * torch.randn(len(caption_of_text), dim, generator=g)
+    texts = captions[caption_of_text] + images[image_of_text] + noise
+    texts[50:] = texts[caption_of_text[50:]]  # a repeated caption has the very same features
+    gt = [{i} for i in image_of_text]
+    gt[5] = set()  # a text whose image is missing: a miss, not an error
+    ours = retrieval_report(texts, images, gt)
+
+    t = torch.nn.functional.normalize(texts, dim=-1)
+    v = torch.nn.functional.normalize(images, dim=-1)
+
+    def write(name: str, rows: list[dict]) -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return str(path)
+
+    golden = write("t2i_gold.jsonl", [{"text_id": q, "image_ids": sorted(ids)} for q, ids in enumerate(gt)])
+    pred = write(
+        "t2i_pred.jsonl", [{"text_id": q, "image_ids": top} for q, top in enumerate(_top_k(t @ v.T, 10))]
+    )
+    mean, r1, r5, r10 = cn_eval.compute_score(golden, pred)
+    assert ours["text_to_image"] == pytest.approx({"R@1": r1, "R@5": r5, "R@10": r10, "mean": mean})
+    # Image→text as cn_clip derives it (transform_ir_annotation_to_tr.py): images that some text
+    # lists, each with every text that lists it.
+    texts_of_image: dict[int, list[int]] = {}
+    for q, ids in enumerate(gt):
+        for i in ids:
+            texts_of_image.setdefault(i, []).append(q)
+    sim = v @ t.T
+    golden = write("i2t_gold.jsonl", [{"image_id": i, "text_ids": q} for i, q in texts_of_image.items()])
+    pred = write(
+        "i2t_pred.jsonl", [{"image_id": i, "text_ids": _top_k(sim[i : i + 1], 10)[0]} for i in texts_of_image]
+    )
+    mean, r1, r5, r10 = cn_eval_tr.compute_score(golden, pred)
+    assert ours["image_to_text"] == pytest.approx({"R@1": r1, "R@5": r5, "R@10": r10, "mean": mean})
+    assert ours["num_text_queries"] == 56 and ours["num_image_queries"] == len(texts_of_image)
 
 
 def test_eval_recall_command_end_to_end(tmp_path):
@@ -99,10 +164,31 @@ def test_report_with_widened_ground_truth_counts_any_matching_image():
     images = torch.tensor(
         [[0.0, 1.0], [1.0, 0.0], [0.9, 0.1]]
     )  # image 1 fits text 0 best, but it is text 1's
-    pairs = retrieval_report(texts, images, [0, 1, 0], ks=(1,))
+    pairs = retrieval_report(texts, images, [{0, 2}, {1}], ks=(1,))
     assert pairs["text_to_image"]["R@1"] == 0.0  # text 0's top image is 1 (text 1's), text 1's is 0
-    wide = retrieval_report(texts, images, [0, 1, 0], images_of_text=[{1}, set()], ks=(1,))
+    wide = retrieval_report(texts, images, [{0, 1, 2}, {1}], ks=(1,))
     assert wide["text_to_image"]["R@1"] == 50.0  # now text 0's top image counts
     assert wide["image_to_text"]["R@1"] == pytest.approx(
         100 * 2 / 3
     )  # image 1 lists texts 0 and 1; image 0 misses
+
+
+def test_eval_recall_keeps_repeated_captions_as_queries_and_shared_images_as_one(tmp_path):
+    from rapiddiff.eval.recall import evaluate_folder
+    from tests.models.test_clip import _tiny_resnet_clip
+    from tests.models.test_text_encoder import _store
+    from tests.train.test_clip import _write_imagefolder
+
+    data = tmp_path / "data"
+    _write_imagefolder(data)
+    meta = data / "metadata.jsonl"
+    rows = [json.loads(line) for line in meta.read_text(encoding="utf-8").splitlines()]
+    rows[4]["text"] = rows[0]["text"]  # a repeated caption on another image
+    rows.append({"file_name": rows[1]["file_name"], "text": "同一张图的第二个描述"})  # a second caption
+    meta.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    _tiny_resnet_clip(_store()).save_pretrained(tmp_path / "clip")
+    report = evaluate_folder(tmp_path / "clip", data)
+    assert report["num_text_queries"] == 9  # every caption row, the repeated one too
+    assert report["gallery"] == {"images": 8, "texts": 9}  # 001.png listed twice is one image
+    assert report["num_image_queries"] == 8
+    assert report["text_queries_without_ground_truth"] == 0
