@@ -462,9 +462,19 @@ def psnr(prediction: torch.Tensor, target: torch.Tensor, data_range: float = 1.0
 
 # ----------------------------------------------------------------------------- the CLI
 class RapidCLI(LightningCLI):
-    """LightningCLI with rapiddiff's checkpoints, sample grids, Ctrl-C handling and export."""
+    """LightningCLI with rapiddiff's checkpoints, sample grids, Ctrl-C handling and export.
+
+    ``links`` maps an attribute of the built model (``"model.image_size"``) to a data argument
+    (``"data.image_size"``) that then follows it instead of being a second setting.
+    """
+
+    def __init__(self, *args: Any, links: dict[str, str] | None = None, **kwargs: Any) -> None:
+        self.links = dict(links or {})
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        for source, target in self.links.items():
+            parser.link_arguments(source, target, apply_on="instantiate")
         parser.add_lightning_class_args(RollingCheckpoint, "checkpoint")
         parser.add_lightning_class_args(SampleGrid, "samples")
         parser.add_argument(
@@ -506,6 +516,7 @@ def run_cli(
     description: str,
     trainer_defaults: dict[str, Any] | None = None,
     prog: str | None = None,
+    links: dict[str, str] | None = None,
 ) -> RapidCLI:
     """Parse ``args``, fit, and export the final model when the run completed (not on Ctrl-C)."""
     defaults = {"max_steps": 1000, "log_every_n_steps": 10, **(trainer_defaults or {})}
@@ -514,7 +525,7 @@ def run_cli(
         # command (which DDP's launcher must see unchanged); the warning about both is noise here.
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
         parser_kwargs = {"description": description, **({"prog": prog} if prog else {})}
-        cli = _make_cli(model_class, datamodule_class, args, parser_kwargs, defaults)
+        cli = _make_cli(model_class, datamodule_class, args, parser_kwargs, defaults, links)
     trainer, model = cli.trainer, cli.model
     for callback in trainer.checkpoint_callbacks:
         # Resolved now, not in setup: `--ckpt_path last` looks for last.ckpt before setup runs.
@@ -539,6 +550,7 @@ def _make_cli(
     args: list[str] | None,
     parser_kwargs: dict[str, Any],
     defaults: dict[str, Any],
+    links: dict[str, str] | None = None,
 ) -> RapidCLI:
     return RapidCLI(
         model_class,
@@ -550,4 +562,5 @@ def _make_cli(
         trainer_defaults=defaults,
         parser_kwargs=parser_kwargs,
         auto_configure_optimizers=False,
+        links=links,
     )
