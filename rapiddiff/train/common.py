@@ -36,6 +36,7 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from rapiddiff.models.weights import check_weights_file, is_unsafe_pickle_error, unsafe_pickle_error
 from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
@@ -480,7 +481,8 @@ class RapidCLI(LightningCLI):
         parser.add_argument(
             "--ckpt_path",
             default=None,
-            help="resume from this checkpoint ('last' = the newest last.ckpt in the checkpoint folder)",
+            help="resume from this checkpoint file; 'last' = last.ckpt in the checkpoint folder (an "
+            "error if there is none); 'last-or-new' = that, or a new run when there is none",
         )
         parser.add_argument(
             "--output",
@@ -531,7 +533,16 @@ def run_cli(
         # Resolved now, not in setup: `--ckpt_path last` looks for last.ckpt before setup runs.
         if isinstance(callback, RollingCheckpoint) and callback.dirpath is None:
             callback.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
-    trainer.fit(model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    folder = Path(checkpoint_dir(trainer))
+    if trainer.is_global_zero:
+        remove_stale_temporaries(folder)
+    ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), folder)
+    try:
+        trainer.fit(model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except Exception as err:
+        if ckpt_path is not None and is_unsafe_pickle_error(err):
+            raise unsafe_pickle_error(f"--ckpt_path {ckpt_path}", err) from err
+        raise
     if cli.interrupt.interrupted:
         return cli
     output = cli.config.get("output") or os.path.join(trainer.default_root_dir, "model")
@@ -542,6 +553,53 @@ def run_cli(
     trainer.strategy.barrier("export")
     cli.exported = Path(output)  # type: ignore[attr-defined]
     return cli
+
+
+CKPT_LAST, CKPT_LAST_OR_NEW = "last", "last-or-new"
+
+
+def resolve_ckpt_path(value: str | None, folder: Path) -> str | None:
+    """``--ckpt_path``: ``last`` must find ``folder/last.ckpt`` (a resume that finds nothing stops
+    and names the folder), ``last-or-new`` starts a new run when there is none; a file is checked
+    for truncation before Lightning reads it."""
+    if not value:
+        return None
+    if value in (CKPT_LAST, CKPT_LAST_OR_NEW):
+        last = folder / "last.ckpt"
+        if last.is_file():
+            log.info("resuming from %s", last)
+            return str(last)
+        if value == CKPT_LAST_OR_NEW:
+            log.info("--ckpt_path last-or-new: no last.ckpt in %s yet: starting a new run", folder)
+            return None
+        raise FileNotFoundError(
+            f"--ckpt_path last: no last.ckpt in {folder.resolve()} (the checkpoint folder: "
+            "checkpoint.dirpath, or <trainer.default_root_dir>/checkpoints), so there is nothing to "
+            "resume. Check trainer.default_root_dir, name a checkpoint file, or pass "
+            "--ckpt_path last-or-new to start a new run when none exists yet."
+        )
+    if value in ("best", "hpc", "registry") or "://" in value:  # Lightning's own names, remote files
+        return value
+    check_weights_file(value, f"--ckpt_path {value}", unpickle=False)  # Lightning unpickles it next
+    return value
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete ``.<name>.ckpt.*.tmp`` files that a crashed save left in the checkpoint folder.
+
+    :class:`AtomicCheckpointIO` writes to such a file and renames it; one that is still there when a
+    run starts belongs to a save that never finished (70–220 MB each for a U-Net).
+    """
+    removed = []
+    for path in sorted(folder.glob(".*.ckpt.*.tmp")) if folder.is_dir() else []:
+        size = path.stat().st_size
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+            log.warning(
+                "removed %s (%.1f MB), left by a checkpoint save that did not finish", path, size / 1e6
+            )
+    return removed
 
 
 def _make_cli(
