@@ -32,7 +32,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -462,6 +462,62 @@ def psnr(prediction: torch.Tensor, target: torch.Tensor, data_range: float = 1.0
 
 
 # ----------------------------------------------------------------------------- the CLI
+class HintingParser(LightningArgumentParser):
+    """LightningCLI's parser with exact option names (no prefix matching: ``--trainer.max_step``
+    is an error, not ``max_steps``) and errors that name the closest key and its group's keys."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def option_keys(self) -> list[str]:
+        return [o[2:] for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        return super().error(message + key_hints(message, self.option_keys()), ex)
+
+
+def key_hints(message: str, keys: Sequence[str]) -> str:
+    """For each unknown key in a parser error ``message``: the closest valid key and its group's keys."""
+    import difflib
+    import re
+
+    unknown = [
+        f"{group}.{key}"
+        for group, key in re.findall(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
+    ]
+    listed = re.search(r"unrecognized arguments: (.*)", message)
+    if listed:
+        unknown += [t.split("=", 1)[0][2:] for t in listed.group(1).split() if t.startswith("--")]
+    hints = []
+    for key in dict.fromkeys(unknown):
+        group, _, name = key.rpartition(".")
+        siblings = (
+            sorted(
+                {
+                    k[len(group) + 1 :]
+                    for k in keys
+                    if k.startswith(f"{group}.") and not any(c in k[len(group) + 1 :] for c in ".+")
+                }
+            )
+            if group
+            else []
+        )
+        close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.5)
+        best = (
+            f"{group}.{close[0]}"
+            if close
+            else next(iter(difflib.get_close_matches(key, keys, n=1, cutoff=0.6)), None)
+        )
+        hint = f"\n  '{key}' is not a valid key"
+        if best:
+            hint += f": did you mean '{best}'?"
+        if siblings:
+            hint += f" Valid keys in {group}: {', '.join(siblings)}"
+        hints.append(hint)
+    return "".join(hints)
+
+
 class RapidCLI(LightningCLI):
     """LightningCLI with rapiddiff's checkpoints, sample grids, Ctrl-C handling and export.
 
@@ -471,6 +527,7 @@ class RapidCLI(LightningCLI):
 
     def __init__(self, *args: Any, links: dict[str, str] | None = None, **kwargs: Any) -> None:
         self.links = dict(links or {})
+        kwargs.setdefault("parser_class", HintingParser)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
