@@ -33,6 +33,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -461,6 +462,38 @@ def psnr(prediction: torch.Tensor, target: torch.Tensor, data_range: float = 1.0
     return 10 * torch.log10(data_range**2 / mse.clamp_min(1e-12))
 
 
+# ----------------------------------------------------------------------------- logging
+class RunTensorBoardLogger(TensorBoardLogger):
+    """The default logger: TensorBoard in ``<save_dir or trainer.default_root_dir>/lightning_logs``.
+
+    It is the trainer's default as a one-item list, so ``--trainer.logger+=CSVLogger`` adds to it
+    (Lightning's implicit default is not a list: ``+=`` would replace it). A resumed run keeps
+    writing into the newest version (see :func:`continue_logger_versions`).
+    """
+
+    def __init__(self, save_dir: str | None = None, name: str = "lightning_logs", **kwargs: Any) -> None:
+        super().__init__(save_dir if save_dir is not None else ".", name=name, **kwargs)
+        self.follows_trainer = save_dir is None
+
+
+DEFAULT_LOGGER = {"class_path": f"{__name__}.RunTensorBoardLogger"}
+
+
+def continue_logger_versions(trainer: pl.Trainer) -> None:
+    """On resume: TensorBoard loggers without a fixed version keep writing into the newest existing
+    ``version_N`` (one run, one curve); the resumed steps continue where the checkpoint stopped."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger) and logger._version is None:
+            # The newest version_N that holds TensorBoard events (a CSVLogger may share the folder).
+            runs = [
+                p for p in Path(logger.root_dir).glob("version_*") if any(p.glob("events.out.tfevents.*"))
+            ]
+            numbers = [int(p.name[len("version_") :]) for p in runs if p.name[len("version_") :].isdigit()]
+            if numbers:
+                logger._version = max(numbers)
+                log.info("TensorBoard: continuing %s", logger.log_dir)
+
+
 # ----------------------------------------------------------------------------- the CLI
 class HintingParser(LightningArgumentParser):
     """LightningCLI's parser with exact option names (no prefix matching: ``--trainer.max_step``
@@ -557,7 +590,11 @@ class RapidCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), self.interrupt]
         kwargs = {"plugins": plugins, "callbacks": callbacks, "use_distributed_sampler": False, **kwargs}
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        for logger in trainer.loggers:
+            if isinstance(logger, RunTensorBoardLogger) and logger.follows_trainer:
+                logger._root_dir = trainer.default_root_dir
+        return trainer
 
 
 def _sharded(trainer_config: dict[str, Any]) -> bool:
@@ -578,7 +615,12 @@ def run_cli(
     links: dict[str, str] | None = None,
 ) -> RapidCLI:
     """Parse ``args``, fit, and export the final model when the run completed (not on Ctrl-C)."""
-    defaults = {"max_steps": 1000, "log_every_n_steps": 10, **(trainer_defaults or {})}
+    defaults = {
+        "max_steps": 1000,
+        "log_every_n_steps": 10,
+        "logger": [DEFAULT_LOGGER],
+        **(trainer_defaults or {}),
+    }
     with warnings.catch_warnings():
         # `rapiddiff train <stage>` hands LightningCLI its args while sys.argv holds the whole
         # command (which DDP's launcher must see unchanged); the warning about both is noise here.
@@ -594,6 +636,8 @@ def run_cli(
     if trainer.is_global_zero:
         remove_stale_temporaries(folder)
     ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), folder)
+    if ckpt_path is not None:
+        continue_logger_versions(trainer)
     try:
         trainer.fit(model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     except Exception as err:

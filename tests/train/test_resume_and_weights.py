@@ -147,3 +147,19 @@ def test_pickled_model_part_that_would_run_code_is_refused(
     with pytest.raises(RuntimeError, match=rf"{part}/{name}: refused: it is a pickle that would run code"):
         load_model_folder(folder)
     assert "this pickle ran code" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- item 13
+def test_added_logger_keeps_tensorboard_and_a_resumed_run_continues_its_version(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    csv = f'--trainer.logger+={{"class_path": "CSVLogger", "init_args": {{"save_dir": "{root}"}}}}'
+    assert main(upscaler_args(tmp_path, root, 1, csv)) == 0
+    assert any(root.glob("lightning_logs/version_*/metrics.csv"))  # the CSV was added ...
+    tensorboard = root / "lightning_logs"
+    assert [p.name for p in tensorboard.glob("version_*") if any(p.glob("events.out.tfevents.*"))] == [
+        "version_0"
+    ]  # ... to TensorBoard, not instead of it
+    assert main(upscaler_args(tmp_path, root, 2, "--ckpt_path=last")) == 0
+    versions = sorted(p.name for p in tensorboard.glob("version_*") if any(p.glob("events.out.tfevents.*")))
+    assert versions == ["version_0"]  # one run, one curve
+    assert len(list((tensorboard / "version_0").glob("events.out.tfevents.*"))) == 2
