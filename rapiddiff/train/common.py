@@ -23,6 +23,8 @@ import contextlib
 import math
 import os
 import signal
+import sys
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -264,11 +266,18 @@ class SampleGrid(Callback):
             return None
         was_training = pl_module.training
         pl_module.eval()
+        started = time.perf_counter()
+        if trainer.is_global_zero:
+            log.info("step %d: drawing the sample grid%s", trainer.global_step, _grid_cost(pl_module))
         try:
             with torch.no_grad(), trainer.precision_plugin.forward_context():
                 images = sampler()
         finally:
             pl_module.train(was_training)
+        if trainer.is_global_zero:
+            log.warning(
+                "step %d: sample grid drawn in %.1f s", trainer.global_step, time.perf_counter() - started
+            )
         folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"  # log_dir is collective
         if images is None or not trainer.is_global_zero:
             return None
@@ -283,6 +292,18 @@ class SampleGrid(Callback):
         return path
 
 
+def _grid_cost(pl_module: pl.LightningModule) -> str:
+    """What the grid costs and which settings change it (a diffusion model's sampling block)."""
+    s = getattr(pl_module, "sampling", None)
+    if s is None or not hasattr(s, "num_inference_steps"):
+        return ""
+    return (
+        f": {len(s.prompts)} prompts × {len(s.seeds)} seeds × {s.num_inference_steps} denoising steps "
+        "(fewer: --model.sampling.num_inference_steps / prompts / seeds; none at the end: "
+        "--samples.at_end=false)"
+    )
+
+
 def save_png(image: torch.Tensor, path: Path) -> None:
     """A [3, H, W] tensor in [0, 1] as a PNG, written atomically."""
     from PIL import Image
@@ -290,6 +311,87 @@ def save_png(image: torch.Tensor, path: Path) -> None:
     array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     with atomic_open(path, "wb") as handle:
         Image.fromarray(array).save(handle, format="PNG")
+
+
+# ----------------------------------------------------------------------------- progress in log files
+class PlainProgress(Callback):
+    """One plain line every ``every_n_steps`` optimizer steps: step, loss, it/s, ETA.
+
+    For log files, where a progress bar writes one frame at the end. ``enabled=None`` prints only
+    when stdout is not a terminal. The loss is the value the module already logged (``train/loss``
+    in ``trainer.callback_metrics``), read on the printing steps only: no extra device sync per step.
+    ``every_n_steps=None`` follows ``trainer.log_every_n_steps``.
+    """
+
+    def __init__(self, every_n_steps: int | None = None, enabled: bool | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"progress.every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.enabled = enabled
+        self.lines: list[str] = []
+        self._start: tuple[float, int] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled is None:
+            self.enabled = not sys.stdout.isatty()
+        self._start = (time.perf_counter(), trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        every = self.every_n_steps or max(1, trainer.log_every_n_steps)
+        last = trainer.max_steps is not None and step == trainer.max_steps
+        if not (self.enabled and trainer.is_global_zero and self._start) or not (step % every == 0 or last):
+            return
+        if step == getattr(self, "_printed", None):
+            return  # several batches per optimizer step (gradient accumulation)
+        self._printed = step
+        elapsed, done = time.perf_counter() - self._start[0], step - self._start[1]
+        rate = done / elapsed if elapsed > 0 else 0.0
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        line = f"step {step}" + (f"/{total}" if total else "")
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            line += f"  loss {float(loss):.4f}"
+        line += f"  {rate:.2f} it/s"
+        if total and rate > 0:
+            line += f"  ETA {_duration((total - step) / rate)}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+# ----------------------------------------------------------------------------- accelerator-aware defaults
+def auto_precision(accelerator: Any) -> str:
+    """``trainer.precision`` when unset: bf16-mixed on a GPU that has bf16, 16-mixed on an older
+    GPU, 32-true on a CPU (where bf16 autocast is slow and fp16 unsupported)."""
+    name = str(accelerator or "auto").lower()
+    if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def auto_num_workers() -> int:
+    """``data.num_workers`` when unset: on a GPU machine, the cores per GPU less one (at most 8);
+    on a CPU, at most 2 and half the cores (the training step needs the rest: 1 on 2 cores)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if torch.cuda.is_available():
+        return max(0, min(8, cpus // max(1, torch.cuda.device_count()) - 1))
+    return min(2, cpus // 2)
+
+
+def adapted_log_interval(log_every_n_steps: int, max_steps: int | None) -> int:
+    """A short run logs its loss: at most a tenth of ``max_steps`` between logged steps."""
+    if max_steps is None or max_steps <= 0:
+        return log_every_n_steps
+    return max(1, min(log_every_n_steps, max_steps // 10))
 
 
 # ----------------------------------------------------------------------------- data order
@@ -364,7 +466,7 @@ def resumable_loader(
     trainer: pl.Trainer | None,
     *,
     batch_size: int,
-    num_workers: int = 0,
+    num_workers: int | None = 0,
     seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = True,
@@ -373,8 +475,10 @@ def resumable_loader(
     """A training DataLoader over :class:`ResumableSampler`, positioned where ``trainer`` resumes.
 
     Set ``use_distributed_sampler=False`` on the Trainer (:func:`run_cli` does): this sampler
-    shards by rank itself.
+    shards by rank itself. ``num_workers=None``: :func:`auto_num_workers`.
     """
+    if num_workers is None:
+        num_workers = auto_num_workers()
     rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def position() -> int:
@@ -568,6 +672,7 @@ class RapidCLI(LightningCLI):
             parser.link_arguments(source, target, apply_on="instantiate")
         parser.add_lightning_class_args(RollingCheckpoint, "checkpoint")
         parser.add_lightning_class_args(SampleGrid, "samples")
+        parser.add_lightning_class_args(PlainProgress, "progress")
         parser.add_argument(
             "--ckpt_path",
             default=None,
@@ -590,6 +695,15 @@ class RapidCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), self.interrupt]
         kwargs = {"plugins": plugins, "callbacks": callbacks, "use_distributed_sampler": False, **kwargs}
+        if config.get("precision") is None:  # unset: follow the accelerator
+            kwargs["precision"] = auto_precision(config.get("accelerator"))
+            log.info("trainer.precision unset: %s on this machine", kwargs["precision"])
+        interval = config.get("log_every_n_steps")
+        if interval is not None and adapted_log_interval(interval, config.get("max_steps")) != interval:
+            kwargs["log_every_n_steps"] = adapted_log_interval(interval, config.get("max_steps"))
+            log.info(
+                "logging every %d steps (a %s-step run)", kwargs["log_every_n_steps"], config["max_steps"]
+            )
         trainer = super().instantiate_trainer(**kwargs)
         for logger in trainer.loggers:
             if isinstance(logger, RunTensorBoardLogger) and logger.follows_trainer:

@@ -4,7 +4,6 @@ what to do (issue 15 items 4, 8, 10)."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 from rapiddiff.cli import main
 from rapiddiff.models.bundle import load_model_folder
 from rapiddiff.models.presets import write_tiny_sd_folder
-from tests.train.helpers import REPO, trainer_args, write_pairs
+from tests.train.helpers import REPO, rapiddiff_log, trainer_args, write_pairs
 
 
 class RunsCode:
@@ -84,7 +83,7 @@ def test_stale_temporary_checkpoints_are_removed_at_start(
         path.write_bytes(b"\0" * 1000)  # half a checkpoint from a crashed save
     keep = folder / "notes.tmp"
     keep.write_text("not ours")
-    with caplog.at_level(logging.WARNING):
+    with rapiddiff_log(caplog):
         assert main(upscaler_args(tmp_path, root, 1)) == 0
     assert not any(p.exists() for p in stale) and keep.exists()
     assert f"removed {stale[0]}" in caplog.text and "did not finish" in caplog.text
