@@ -103,3 +103,23 @@ def test_stage_help_is_fast_and_imports_no_lightning(stage: str) -> None:
     assert "HEAVY []" in done.stdout, done.stdout[-500:]
     assert "--trainer.max_steps" in done.stdout and "--ckpt_path" in done.stdout
     assert elapsed < 10  # loose: a loaded CI machine; BENCHMARKS.md has the measured time
+
+
+def test_shipped_help_is_the_parsers_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rapiddiff.train import cli
+
+    # The shipped file matches what LightningCLI prints now (else: python -m rapiddiff.train.cli
+    # --write-help). In a clean interpreter: the help lists the Callback subclasses imported so far.
+    code = "import sys; from rapiddiff.train.cli import generate_help; sys.stdout.write(generate_help('vae'))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    live = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert cli.stage_help("vae") == live.stdout
+    # A stale file (sources changed since it was written) is not used: the help is regenerated once
+    # into the cache and read from there next time.
+    monkeypatch.setattr(cli, "HELP_DIR", tmp_path / "none")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "help_fingerprint", lambda: "changed")
+    text = cli.stage_help("upscaler")
+    assert "--data.patch_size" in text and (tmp_path / "cache/rapiddiff/help/upscaler-changed.txt").is_file()
+    monkeypatch.setattr(cli, "generate_help", lambda stage: pytest.fail("regenerated a cached help"))
+    assert cli.stage_help("upscaler") == text
