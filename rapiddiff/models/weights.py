@@ -24,10 +24,9 @@ from pathlib import Path
 from rapiddiff.utils.io import UnsafeCheckpointError
 
 PICKLE_FIX = (
-    "rapiddiff loads only tensors (safetensors, or torch files that hold nothing but tensors). "
-    "Get a .safetensors copy of these weights from their source; or, only if you trust the file, "
-    'convert it once: `python -c "import torch, safetensors.torch as s; '
-    "s.save_file(torch.load('IN', weights_only=False), 'OUT.safetensors')\"`"
+    "rapiddiff loads only tensors (safetensors, or torch files that hold nothing but tensors), so "
+    "nothing in a downloaded file can run. Get a .safetensors copy of these weights from their "
+    "source; a file you made yourself: re-save its state dict with safetensors.torch.save_file."
 )
 
 

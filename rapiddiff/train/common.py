@@ -342,7 +342,8 @@ class PlainProgress(Callback):
         step = trainer.global_step
         every = self.every_n_steps or max(1, trainer.log_every_n_steps)
         last = trainer.max_steps is not None and step == trainer.max_steps
-        if not (self.enabled and trainer.is_global_zero and self._start) or not (step % every == 0 or last):
+        due = step > 0 and (step % every == 0 or last)
+        if not (self.enabled and trainer.is_global_zero and self._start and due):
             return
         if step == getattr(self, "_printed", None):
             return  # several batches per optimizer step (gradient accumulation)
