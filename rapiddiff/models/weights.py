@@ -107,6 +107,9 @@ def _check_safetensors(path: Path, size: int, label: str) -> None:
         raise truncated(f"{size} bytes, shorter than the 8-byte header length")
     with path.open("rb") as handle:
         (header_len,) = struct.unpack("<Q", handle.read(8))
+        if handle.read(1) != b"{":  # the JSON header: anything else is not safetensors at all
+            raise ValueError(f"{label}: not a safetensors file (no JSON header)")
+        handle.seek(8)
         if 8 + header_len > size:
             raise truncated(f"{size:,} bytes, but its header alone is {header_len:,}")
         try:
