@@ -69,11 +69,10 @@ _STAMP = "# rapiddiff help fingerprint: "
 
 
 def help_fingerprint() -> str:
-    """A hash of what the help is generated from: this package's training and data sources (the
-    stages' signatures and docstrings) and the versions of the libraries that format it."""
+    """A hash of what the help is generated from: the training sources (every stage's signature
+    and docstrings live in rapiddiff/train/) and the versions of the libraries that format it."""
     digest = hashlib.sha256()
-    package = Path(__file__).resolve().parents[1]
-    for path in sorted([*(package / "train").glob("*.py"), *(package / "data").glob("*.py")]):
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for name in ("pytorch-lightning", "jsonargparse"):
         with contextlib.suppress(metadata.PackageNotFoundError):
