@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.models.weights import diagnose
 from rapiddiff.utils.io import atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
@@ -182,7 +183,8 @@ def _load_diffusers_part(path: Path, part: str, class_name: str, dtype: torch.dt
     try:
         return cls.from_pretrained(str(path / part), torch_dtype=dtype, variant=variant)
     except Exception as err:  # diffusers raises many types (OSError, EnvironmentError, safetensors errors)
-        raise ValueError(
+        reason = diagnose(path / file, f"model folder {path}: {file}") if file else None  # truncated/pickle
+        raise reason or ValueError(
             f"model folder {path}: {file or part + '/'} could not be loaded as {class_name} ({err})"
         ) from err
 
@@ -214,8 +216,10 @@ def _load_text_encoder(path: Path, knowledge: bool) -> KnowledgeTextEncoder:
     except FileNotFoundError as err:
         raise FileNotFoundError(f"model folder {path}: text encoder: {err}") from err
     except Exception as err:
-        raise ValueError(
-            f"model folder {path}: {_weights_file(path, 'text_encoder') or 'text_encoder/'} (or tokenizer/, knowledge/) "
+        file = _weights_file(path, "text_encoder")
+        reason = diagnose(path / file, f"model folder {path}: {file}") if file else None  # truncated/pickle
+        raise reason or ValueError(
+            f"model folder {path}: {file or 'text_encoder/'} (or tokenizer/, knowledge/) "
             f"could not be loaded ({err})"
         ) from err
 

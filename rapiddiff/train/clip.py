@@ -35,6 +35,7 @@ from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
+DEFAULT_IMAGE_SIZE = 128  # from scratch, when model.image_size is unset
 Freeze = Literal["none", "image", "text", "all_but_fusion"]
 
 
@@ -92,7 +93,9 @@ class CLIPTraining(RapidModule):
             Chinese BERT vocabulary.
         max_length: tokens per caption (from scratch only).
         image_tower: resnet18 / resnet10 / chinese_clip (from scratch only).
-        image_size: the image tower's input size (from scratch; Chinese-CLIP uses its own).
+        image_size: the image tower's input size. Unset: 128 from scratch, or the size the
+            ``init_from`` checkpoint was trained at (224 for ViT-B/16). The data is resized to
+            this size (``data.image_size`` follows it; there is one setting, not two).
         embed_dim: width of the joint embedding (from scratch only).
         pooling: text pooling, [CLS] or mean over the mask (from scratch only).
         knowledge_store: a KnowledgeStore folder (``rapiddiff kg train`` output); None: no knowledge.
@@ -119,7 +122,7 @@ class CLIPTraining(RapidModule):
         text_tower: str = "kshapes",
         max_length: int = 32,
         image_tower: Literal["resnet18", "resnet10", "chinese_clip"] = "resnet18",
-        image_size: int = 128,
+        image_size: int | None = None,
         embed_dim: int = 256,
         pooling: Literal["cls", "mean"] = "cls",
         knowledge_store: str | None = None,
@@ -138,20 +141,29 @@ class CLIPTraining(RapidModule):
         super().__init__()
         if not 0.0 <= entity_token_dropout <= 1.0:
             raise ValueError(f"entity_token_dropout must be in [0, 1], got {entity_token_dropout}")
-        self.save_hyperparameters()
         store = _load_store(knowledge_store) if knowledge and knowledge_store else None
         self.model = build_clip(
             init_from=init_from,
             text_tower=text_tower,
             max_length=max_length,
             image_tower=image_tower,
-            image_size=image_size,
+            image_size=image_size or DEFAULT_IMAGE_SIZE,
             embed_dim=embed_dim,
             pooling=pooling,
             store=store,
             fusion_layers=list(fusion_layers) if fusion_layers is not None else [0],
             max_relations=max_relations,
         )
+        if image_size is not None and image_size != self.model.image_size:
+            raise ValueError(
+                f"model.image_size={image_size}, but {init_from} was trained at {self.model.image_size}²: "
+                "leave model.image_size unset to use the checkpoint's own size"
+            )
+        self.save_hyperparameters()
+        # The resolved size is the one setting: data.image_size is linked to it, and the hparams
+        # record it (LightningCLI records the arguments as given, where it may be unset).
+        self.image_size = self.model.image_size
+        self.hparams["image_size"] = self._hparams_initial["image_size"] = self.image_size
         if self.model.text_encoder.fusion is not None:
             self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
             self.model.text_encoder.mask_entity_mentions = mask_entity_mentions
@@ -275,4 +287,11 @@ class CLIPTraining(RapidModule):
 
 def cli_main(args: list[str] | None = None) -> None:
     """Run ``rapiddiff train clip`` with ``args`` (``--config FILE``, overrides, ``--help``)."""
-    run_cli(CLIPTraining, ImageTextData, args, description=__doc__.split("\n\n")[0])
+    run_cli(
+        CLIPTraining,
+        ImageTextData,
+        args,
+        description=__doc__.split("\n\n")[0],
+        # The image tower decides the input size; the data follows it (a second setting could disagree).
+        links={"model.image_size": "data.image_size"},
+    )

@@ -23,6 +23,8 @@ import contextlib
 import math
 import os
 import signal
+import sys
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,10 +34,12 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from rapiddiff.models.weights import check_weights_file, is_unsafe_pickle_error, unsafe_pickle_error
 from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
@@ -262,11 +266,18 @@ class SampleGrid(Callback):
             return None
         was_training = pl_module.training
         pl_module.eval()
+        started = time.perf_counter()
+        if trainer.is_global_zero:
+            log.info("step %d: drawing the sample grid%s", trainer.global_step, _grid_cost(pl_module))
         try:
             with torch.no_grad(), trainer.precision_plugin.forward_context():
                 images = sampler()
         finally:
             pl_module.train(was_training)
+        if trainer.is_global_zero:
+            log.warning(
+                "step %d: sample grid drawn in %.1f s", trainer.global_step, time.perf_counter() - started
+            )
         folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"  # log_dir is collective
         if images is None or not trainer.is_global_zero:
             return None
@@ -281,6 +292,18 @@ class SampleGrid(Callback):
         return path
 
 
+def _grid_cost(pl_module: pl.LightningModule) -> str:
+    """What the grid costs and which settings change it (a diffusion model's sampling block)."""
+    s = getattr(pl_module, "sampling", None)
+    if s is None or not hasattr(s, "num_inference_steps"):
+        return ""
+    return (
+        f": {len(s.prompts)} prompts × {len(s.seeds)} seeds × {s.num_inference_steps} denoising steps "
+        "(fewer: --model.sampling.num_inference_steps / prompts / seeds; none at the end: "
+        "--samples.at_end=false)"
+    )
+
+
 def save_png(image: torch.Tensor, path: Path) -> None:
     """A [3, H, W] tensor in [0, 1] as a PNG, written atomically."""
     from PIL import Image
@@ -288,6 +311,88 @@ def save_png(image: torch.Tensor, path: Path) -> None:
     array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     with atomic_open(path, "wb") as handle:
         Image.fromarray(array).save(handle, format="PNG")
+
+
+# ----------------------------------------------------------------------------- progress in log files
+class PlainProgress(Callback):
+    """One plain line every ``every_n_steps`` optimizer steps: step, loss, it/s, ETA.
+
+    For log files, where a progress bar writes one frame at the end. ``enabled=None`` prints only
+    when stdout is not a terminal. The loss is the value the module already logged (``train/loss``
+    in ``trainer.callback_metrics``), read on the printing steps only: no extra device sync per step.
+    ``every_n_steps=None`` follows ``trainer.log_every_n_steps``.
+    """
+
+    def __init__(self, every_n_steps: int | None = None, enabled: bool | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"progress.every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.enabled = enabled
+        self.lines: list[str] = []
+        self._start: tuple[float, int] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled is None:
+            self.enabled = not sys.stdout.isatty()
+        self._start = (time.perf_counter(), trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        every = self.every_n_steps or max(1, trainer.log_every_n_steps)
+        last = trainer.max_steps is not None and step == trainer.max_steps
+        due = step > 0 and (step % every == 0 or last)
+        if not (self.enabled and trainer.is_global_zero and self._start and due):
+            return
+        if step == getattr(self, "_printed", None):
+            return  # several batches per optimizer step (gradient accumulation)
+        self._printed = step
+        elapsed, done = time.perf_counter() - self._start[0], step - self._start[1]
+        rate = done / elapsed if elapsed > 0 else 0.0
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        line = f"step {step}" + (f"/{total}" if total else "")
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            line += f"  loss {float(loss):.4f}"
+        line += f"  {rate:.2f} it/s"
+        if total and rate > 0:
+            line += f"  ETA {_duration((total - step) / rate)}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+# ----------------------------------------------------------------------------- accelerator-aware defaults
+def auto_precision(accelerator: Any) -> str:
+    """``trainer.precision`` when unset: bf16-mixed on a GPU that has bf16, 16-mixed on an older
+    GPU, 32-true on a CPU (where bf16 autocast is slow and fp16 unsupported)."""
+    name = str(accelerator or "auto").lower()
+    if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def auto_num_workers() -> int:
+    """``data.num_workers`` when unset: on a GPU machine, the cores per GPU less one (at most 8);
+    on a CPU, at most 2 and half the cores (the training step needs the rest: 1 on 2 cores)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if torch.cuda.is_available():
+        return max(0, min(8, cpus // max(1, torch.cuda.device_count()) - 1))
+    return min(2, cpus // 2)
+
+
+def adapted_log_interval(log_every_n_steps: int, max_steps: int | None) -> int:
+    """A short run logs its loss: at most a tenth of ``max_steps`` between logged steps."""
+    if max_steps is None or max_steps <= 0:
+        return log_every_n_steps
+    return max(1, min(log_every_n_steps, max_steps // 10))
 
 
 # ----------------------------------------------------------------------------- data order
@@ -362,7 +467,7 @@ def resumable_loader(
     trainer: pl.Trainer | None,
     *,
     batch_size: int,
-    num_workers: int = 0,
+    num_workers: int | None = 0,
     seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = True,
@@ -371,8 +476,10 @@ def resumable_loader(
     """A training DataLoader over :class:`ResumableSampler`, positioned where ``trainer`` resumes.
 
     Set ``use_distributed_sampler=False`` on the Trainer (:func:`run_cli` does): this sampler
-    shards by rank itself.
+    shards by rank itself. ``num_workers=None``: :func:`auto_num_workers`.
     """
+    if num_workers is None:
+        num_workers = auto_num_workers()
     rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def position() -> int:
@@ -460,17 +567,118 @@ def psnr(prediction: torch.Tensor, target: torch.Tensor, data_range: float = 1.0
     return 10 * torch.log10(data_range**2 / mse.clamp_min(1e-12))
 
 
+# ----------------------------------------------------------------------------- logging
+class RunTensorBoardLogger(TensorBoardLogger):
+    """The default logger: TensorBoard in ``<save_dir or trainer.default_root_dir>/lightning_logs``.
+
+    It is the trainer's default as a one-item list, so ``--trainer.logger+=CSVLogger`` adds to it
+    (Lightning's implicit default is not a list: ``+=`` would replace it). A resumed run keeps
+    writing into the newest version (see :func:`continue_logger_versions`).
+    """
+
+    def __init__(self, save_dir: str | None = None, name: str = "lightning_logs", **kwargs: Any) -> None:
+        super().__init__(save_dir if save_dir is not None else ".", name=name, **kwargs)
+        self.follows_trainer = save_dir is None
+
+
+DEFAULT_LOGGER = {"class_path": f"{__name__}.RunTensorBoardLogger"}
+
+
+def continue_logger_versions(trainer: pl.Trainer) -> None:
+    """On resume: TensorBoard loggers without a fixed version keep writing into the newest existing
+    ``version_N`` (one run, one curve); the resumed steps continue where the checkpoint stopped."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger) and logger._version is None:
+            # The newest version_N that holds TensorBoard events (a CSVLogger may share the folder).
+            runs = [
+                p for p in Path(logger.root_dir).glob("version_*") if any(p.glob("events.out.tfevents.*"))
+            ]
+            numbers = [int(p.name[len("version_") :]) for p in runs if p.name[len("version_") :].isdigit()]
+            if numbers:
+                logger._version = max(numbers)
+                log.info("TensorBoard: continuing %s", logger.log_dir)
+
+
 # ----------------------------------------------------------------------------- the CLI
+class HintingParser(LightningArgumentParser):
+    """LightningCLI's parser with exact option names (no prefix matching: ``--trainer.max_step``
+    is an error, not ``max_steps``) and errors that name the closest key and its group's keys."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def option_keys(self) -> list[str]:
+        return [o[2:] for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        return super().error(message + key_hints(message, self.option_keys()), ex)
+
+
+def key_hints(message: str, keys: Sequence[str]) -> str:
+    """For each unknown key in a parser error ``message``: the closest valid key and its group's keys."""
+    import difflib
+    import re
+
+    unknown = [
+        f"{group}.{key}"
+        for group, key in re.findall(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
+    ]
+    listed = re.search(r"unrecognized arguments: (.*)", message)
+    if listed:
+        unknown += [t.split("=", 1)[0][2:] for t in listed.group(1).split() if t.startswith("--")]
+    hints = []
+    for key in dict.fromkeys(unknown):
+        group, _, name = key.rpartition(".")
+        siblings = (
+            sorted(
+                {
+                    k[len(group) + 1 :]
+                    for k in keys
+                    if k.startswith(f"{group}.") and not any(c in k[len(group) + 1 :] for c in ".+")
+                }
+            )
+            if group
+            else []
+        )
+        close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.5)
+        best = (
+            f"{group}.{close[0]}"
+            if close
+            else next(iter(difflib.get_close_matches(key, keys, n=1, cutoff=0.6)), None)
+        )
+        hint = f"\n  '{key}' is not a valid key"
+        if best:
+            hint += f": did you mean '{best}'?"
+        if siblings:
+            hint += f" Valid keys in {group}: {', '.join(siblings)}"
+        hints.append(hint)
+    return "".join(hints)
+
+
 class RapidCLI(LightningCLI):
-    """LightningCLI with rapiddiff's checkpoints, sample grids, Ctrl-C handling and export."""
+    """LightningCLI with rapiddiff's checkpoints, sample grids, Ctrl-C handling and export.
+
+    ``links`` maps an attribute of the built model (``"model.image_size"``) to a data argument
+    (``"data.image_size"``) that then follows it instead of being a second setting.
+    """
+
+    def __init__(self, *args: Any, links: dict[str, str] | None = None, **kwargs: Any) -> None:
+        self.links = dict(links or {})
+        kwargs.setdefault("parser_class", HintingParser)
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        for source, target in self.links.items():
+            parser.link_arguments(source, target, apply_on="instantiate")
         parser.add_lightning_class_args(RollingCheckpoint, "checkpoint")
         parser.add_lightning_class_args(SampleGrid, "samples")
+        parser.add_lightning_class_args(PlainProgress, "progress")
         parser.add_argument(
             "--ckpt_path",
             default=None,
-            help="resume from this checkpoint ('last' = the newest last.ckpt in the checkpoint folder)",
+            help="resume from this checkpoint file; 'last' = last.ckpt in the checkpoint folder (an "
+            "error if there is none); 'last-or-new' = that, or a new run when there is none",
         )
         parser.add_argument(
             "--output",
@@ -488,7 +696,20 @@ class RapidCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), self.interrupt]
         kwargs = {"plugins": plugins, "callbacks": callbacks, "use_distributed_sampler": False, **kwargs}
-        return super().instantiate_trainer(**kwargs)
+        if config.get("precision") is None:  # unset: follow the accelerator
+            kwargs["precision"] = auto_precision(config.get("accelerator"))
+            log.info("trainer.precision unset: %s on this machine", kwargs["precision"])
+        interval = config.get("log_every_n_steps")
+        if interval is not None and adapted_log_interval(interval, config.get("max_steps")) != interval:
+            kwargs["log_every_n_steps"] = adapted_log_interval(interval, config.get("max_steps"))
+            log.info(
+                "logging every %d steps (a %s-step run)", kwargs["log_every_n_steps"], config["max_steps"]
+            )
+        trainer = super().instantiate_trainer(**kwargs)
+        for logger in trainer.loggers:
+            if isinstance(logger, RunTensorBoardLogger) and logger.follows_trainer:
+                logger._root_dir = trainer.default_root_dir
+        return trainer
 
 
 def _sharded(trainer_config: dict[str, Any]) -> bool:
@@ -506,21 +727,38 @@ def run_cli(
     description: str,
     trainer_defaults: dict[str, Any] | None = None,
     prog: str | None = None,
+    links: dict[str, str] | None = None,
 ) -> RapidCLI:
     """Parse ``args``, fit, and export the final model when the run completed (not on Ctrl-C)."""
-    defaults = {"max_steps": 1000, "log_every_n_steps": 10, **(trainer_defaults or {})}
+    defaults = {
+        "max_steps": 1000,
+        "log_every_n_steps": 10,
+        "logger": [DEFAULT_LOGGER],
+        **(trainer_defaults or {}),
+    }
     with warnings.catch_warnings():
         # `rapiddiff train <stage>` hands LightningCLI its args while sys.argv holds the whole
         # command (which DDP's launcher must see unchanged); the warning about both is noise here.
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
         parser_kwargs = {"description": description, **({"prog": prog} if prog else {})}
-        cli = _make_cli(model_class, datamodule_class, args, parser_kwargs, defaults)
+        cli = _make_cli(model_class, datamodule_class, args, parser_kwargs, defaults, links)
     trainer, model = cli.trainer, cli.model
     for callback in trainer.checkpoint_callbacks:
         # Resolved now, not in setup: `--ckpt_path last` looks for last.ckpt before setup runs.
         if isinstance(callback, RollingCheckpoint) and callback.dirpath is None:
             callback.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
-    trainer.fit(model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    folder = Path(checkpoint_dir(trainer))
+    if trainer.is_global_zero:
+        remove_stale_temporaries(folder)
+    ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), folder)
+    if ckpt_path is not None:
+        continue_logger_versions(trainer)
+    try:
+        trainer.fit(model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except Exception as err:
+        if ckpt_path is not None and is_unsafe_pickle_error(err):
+            raise unsafe_pickle_error(f"--ckpt_path {ckpt_path}", err) from err
+        raise
     if cli.interrupt.interrupted:
         return cli
     output = cli.config.get("output") or os.path.join(trainer.default_root_dir, "model")
@@ -533,12 +771,60 @@ def run_cli(
     return cli
 
 
+CKPT_LAST, CKPT_LAST_OR_NEW = "last", "last-or-new"
+
+
+def resolve_ckpt_path(value: str | None, folder: Path) -> str | None:
+    """``--ckpt_path``: ``last`` must find ``folder/last.ckpt`` (a resume that finds nothing stops
+    and names the folder), ``last-or-new`` starts a new run when there is none; a file is checked
+    for truncation before Lightning reads it."""
+    if not value:
+        return None
+    if value in (CKPT_LAST, CKPT_LAST_OR_NEW):
+        last = folder / "last.ckpt"
+        if last.is_file():
+            log.info("resuming from %s", last)
+            return str(last)
+        if value == CKPT_LAST_OR_NEW:
+            log.info("--ckpt_path last-or-new: no last.ckpt in %s yet: starting a new run", folder)
+            return None
+        raise FileNotFoundError(
+            f"--ckpt_path last: no last.ckpt in {folder.resolve()} (the checkpoint folder: "
+            "checkpoint.dirpath, or <trainer.default_root_dir>/checkpoints), so there is nothing to "
+            "resume. Check trainer.default_root_dir, name a checkpoint file, or pass "
+            "--ckpt_path last-or-new to start a new run when none exists yet."
+        )
+    if value in ("best", "hpc", "registry") or "://" in value:  # Lightning's own names, remote files
+        return value
+    check_weights_file(value, f"--ckpt_path {value}", unpickle=False)  # Lightning unpickles it next
+    return value
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete ``.<name>.ckpt.*.tmp`` files that a crashed save left in the checkpoint folder.
+
+    :class:`AtomicCheckpointIO` writes to such a file and renames it; one that is still there when a
+    run starts belongs to a save that never finished (70–220 MB each for a U-Net).
+    """
+    removed = []
+    for path in sorted(folder.glob(".*.ckpt.*.tmp")) if folder.is_dir() else []:
+        size = path.stat().st_size
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+            log.warning(
+                "removed %s (%.1f MB), left by a checkpoint save that did not finish", path, size / 1e6
+            )
+    return removed
+
+
 def _make_cli(
     model_class: type[RapidModule],
     datamodule_class: type[pl.LightningDataModule],
     args: list[str] | None,
     parser_kwargs: dict[str, Any],
     defaults: dict[str, Any],
+    links: dict[str, str] | None = None,
 ) -> RapidCLI:
     return RapidCLI(
         model_class,
@@ -550,4 +836,5 @@ def _make_cli(
         trainer_defaults=defaults,
         parser_kwargs=parser_kwargs,
         auto_configure_optimizers=False,
+        links=links,
     )

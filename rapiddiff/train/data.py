@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rapiddiff.train.common import resumable_loader
+from rapiddiff.train.common import auto_num_workers, resumable_loader
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -53,7 +53,7 @@ class ImageTextData(pl.LightningDataModule):
         val: validation data (same formats); optional.
         image_size: images are resized and centre-cropped to this square size.
         batch_size: per process (the global batch is this × devices × gradient accumulation).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; unset: the machine's (``auto_num_workers``).
         seed: seed of the data order (epoch e shuffles with seed + e).
         dataset_options: extra keyword arguments for ImageTextDataset (image_column, text_column,
             crop, hflip, verify, ...). Random crops and flips draw from torch's RNG in the
@@ -66,7 +66,7 @@ class ImageTextData(pl.LightningDataModule):
         val: str | None = None,
         image_size: int = 128,
         batch_size: int = 8,
-        num_workers: int = 2,
+        num_workers: int | None = None,
         seed: int = 0,
         dataset_options: dict[str, Any] | None = None,
     ) -> None:
@@ -76,7 +76,7 @@ class ImageTextData(pl.LightningDataModule):
         self.image_size, self.batch_size, self.num_workers, self.seed = (
             image_size,
             batch_size,
-            num_workers,
+            auto_num_workers() if num_workers is None else num_workers,  # unset: follow the machine
             seed,
         )
         self.options = dict(dataset_options or {})
@@ -186,7 +186,7 @@ class PairedImageData(pl.LightningDataModule):
         scale: upscaling factor between the two folders.
         patch_size: low-resolution crop size for training (None = whole images).
         batch_size: per process.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; unset: the machine's (``auto_num_workers``).
         seed: seed of data order and crop positions.
     """
 
@@ -199,11 +199,12 @@ class PairedImageData(pl.LightningDataModule):
         scale: int = 4,
         patch_size: int | None = 32,
         batch_size: int = 16,
-        num_workers: int = 2,
+        num_workers: int | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.num_workers = auto_num_workers() if num_workers is None else num_workers  # unset: the machine's
         self.train_set: PairedImageDataset | None = None
         self.val_set: PairedImageDataset | None = None
 
@@ -226,11 +227,11 @@ class PairedImageData(pl.LightningDataModule):
             self.train_set,
             self.trainer,
             batch_size=self.hparams.batch_size,
-            num_workers=self.hparams.num_workers,
+            num_workers=self.num_workers,
             seed=self.hparams.seed,
         )
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=1, num_workers=self.hparams.num_workers)
+        return DataLoader(self.val_set, batch_size=1, num_workers=self.num_workers)

@@ -75,6 +75,16 @@ class LoraSettings:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
 
 
+def _resolve_pretrained(pretrained: str) -> str:
+    """``builtin`` → the model `rapiddiff generate` uses without --model ($RAPIDDIFF_MODEL, else
+    rapiddiff/assets/model). (infer has the same rule; train and infer never import each other.)"""
+    if pretrained != "builtin":
+        return pretrained
+    import rapiddiff
+
+    return os.environ.get("RAPIDDIFF_MODEL") or str(Path(rapiddiff.__file__).parent / "assets" / "model")
+
+
 _LORA = LoraSettings()
 _FINETUNE_OPTIM = OptimConfig(lr=1e-4, warmup_steps=100)
 
@@ -83,7 +93,8 @@ class FineTune(LatentDiffusion):
     """Fine-tune a pretrained model folder, fully or with LoRA adapters.
 
     Args:
-        pretrained: the model folder to start from (rapiddiff, Taiyi or SD 1.x diffusers layout).
+        pretrained: the model folder to start from (rapiddiff, Taiyi or SD 1.x diffusers layout);
+            ``builtin``: the model shipped with rapiddiff (configs/finetune/kshapes.yaml).
         mode: "full" (train the parts outright; export a model folder) or "lora" (adapters only;
             export diffusers LoRA weights).
         lora: adapter rank, alpha, dropout and target modules (mode lora).
@@ -114,6 +125,7 @@ class FineTune(LatentDiffusion):
         cache_latents: bool = False,
         seed: int = 0,
     ) -> None:
+        pretrained = _resolve_pretrained(pretrained)
         if mode == "lora" and speed.fuse_qkv:
             raise ValueError(
                 "speed.fuse_qkv cannot be combined with mode: lora (the adapters sit on to_q/to_k/to_v)"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,6 +99,21 @@ def tiny_unet_args(
         "--data.batch_size=2",
         "--data.num_workers=0",
     ]
+
+
+@contextlib.contextmanager
+def rapiddiff_log(caplog: Any, level: int = logging.INFO) -> Iterator[None]:
+    """Capture rapiddiff's own log records (its logger does not propagate to the root once set up)."""
+    logger = logging.getLogger("rapiddiff")
+    logger.addHandler(caplog.handler)
+    old = logger.level
+    logger.setLevel(level)
+    caplog.handler.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(old)
 
 
 class RecordLosses(Callback):

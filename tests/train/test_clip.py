@@ -71,9 +71,7 @@ def _config(tmp: Path, max_steps: int) -> Path:
         knowledge_store=str(tmp / "store"),
         warmup_steps=1,
     )
-    cfg["data"].update(
-        train=str(tmp / "data"), val=str(tmp / "data"), image_size=32, batch_size=4, num_workers=0
-    )
+    cfg["data"].update(train=str(tmp / "data"), val=str(tmp / "data"), batch_size=4, num_workers=0)
     path = tmp / "clip.yaml"
     path.write_text(yaml.safe_dump(cfg, allow_unicode=True), "utf-8")
     return path
@@ -148,3 +146,12 @@ def test_freeze_options_leave_only_the_chosen_parts_trainable(tiny_setup):
     assert not any(p.requires_grad for p in module.model.image_tower.parameters())
     with pytest.raises(ValueError, match="needs a knowledge_store"):
         clip_train.CLIPTraining(**kwargs, freeze="all_but_fusion")
+
+
+def test_image_size_comes_from_the_checkpoint_and_a_different_one_is_named(tmp_path):
+    from tests.train.test_shipped_configs import tiny_chinese_clip
+
+    folder = tiny_chinese_clip(tmp_path / "cnclip")
+    assert clip_train.CLIPTraining(init_from=str(folder)).hparams.image_size == 32
+    with pytest.raises(ValueError, match=r"model.image_size=224, but .*cnclip was trained at 32²"):
+        clip_train.CLIPTraining(init_from=str(folder), image_size=224)

@@ -60,3 +60,35 @@ def test_a_typo_in_a_config_key_is_an_error(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit):
         ParseOnly(vae.VAETraining, ImageTextData, args=[f"--config={bad}"], run=False)
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "hint"),
+    [
+        # a typo in a YAML file
+        ("yaml", "Group 'model' does not accept option 'lora.rnak'", "did you mean 'model.lora.rank'?"),
+        # a key from another tool's vocabulary: the group's valid keys are listed
+        ("--model.optim.learning_rate=1e-4", "unrecognized arguments", "did you mean 'model.optim.lr'?"),
+        # prefix matching is off: max_step is not silently taken as max_steps
+        ("--trainer.max_step=5", "unrecognized arguments", "did you mean 'trainer.max_steps'?"),
+    ],
+)
+def test_a_config_key_typo_names_the_closest_key(
+    given: str, error: str, hint: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    if given == "yaml":
+        typo = tmp_path / "typo.yaml"
+        typo.write_text("model:\n  lora:\n    rnak: 4\n", encoding="utf-8")
+        given = f"--config={typo}"
+    args = [
+        f"--config={REPO / 'configs/finetune/lora.yaml'}",
+        "--model.pretrained=M",
+        "--data.train=D",
+        given,
+    ]
+    with pytest.raises(SystemExit):
+        ParseOnly(finetune.FineTune, ImageTextData, args=args, run=False)
+    err = capsys.readouterr().err
+    assert error in err and hint in err
+    if "optim" in hint:
+        assert "Valid keys in model.optim: betas, eps, fused, lr, schedule, warmup_steps, weight_decay" in err
