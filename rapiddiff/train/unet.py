@@ -364,7 +364,9 @@ class LatentDiffusion(RapidModule):
         if self._latents is not None and sample:
             params = self._latents[batch["index"].cpu()].to(self.device)
         else:
-            with torch.no_grad():
+            # Outside autocast: the frozen VAE runs in its own (training-precision) dtype, as
+            # train_text_to_image.py runs it; autocast would redo its GroupNorms in float32.
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
                 params = self.vae.encode(batch["pixel_values"].to(self.vae.dtype)).latent_dist.parameters
         dist = DiagonalGaussianDistribution(params.float())
         latents = dist.sample() if sample else dist.mode()
