@@ -44,6 +44,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpu_data+cache_text": {"cache_latents": True, "speed": {"gpu_data": True, "cache_text": True}},
     "fused_adamw+foreach_ema": {"optim": {"fused": True}, "speed": {"foreach_ema": True}},
     "cuda_graph": {"speed": {"cuda_graph": True}},
+    "no_graph": {  # what runs on several GPUs (the captured step is single-GPU)
+        "cache_latents": True,
+        "optim": {"fused": True},
+        "speed": {"gpu_data": True, "cache_text": True, "foreach_ema": True},
+    },
     "all": {
         "cache_latents": True,
         "optim": {"fused": True},
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
     )
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         precision="bf16-mixed" if args.precision == "bf16" else "32-true",
         max_steps=steps,
         gradient_clip_val=1.0,
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
     seconds = times["end"] - times["start"]
     row = {
         "it_s": args.steps / seconds,
-        "images_s": args.steps * args.batch / seconds,
+        "images_s": args.steps * args.batch * args.devices / seconds,  # all ranks
         "ms_per_step": 1000 * seconds / args.steps,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "losses": [float(x) for x in losses],
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "32"])
     parser.add_argument("--scenes", default="finetune,chain_on,chain_off")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--devices", type=int, default=1, help="GPUs (DDP; launch with torchrun)")
     parser.add_argument("--parity-steps", type=int, default=20, help="first losses compared with plain")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
@@ -227,14 +234,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precision": args.precision,
         "results": results,
     }
+    report["devices"] = args.devices
+    if int(os.environ.get("RANK", "0")) != 0:
+        return report
     (out / "train_kshapes_step.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     lines = [
         f"kshapes U-Net step, batch {args.batch}, {args.precision}, {report['device']}, {report['date']}, "
         f"{args.steps} timed steps after {args.warmup}",
         "",
-        "| scene | variant | it/s | ms/step | × plain | peak GiB | max rel. loss diff (first "
+        "| scene | variant | it/s | images/s | ms/step | × plain | peak GiB | max rel. loss diff (first "
         f"{args.parity_steps}) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "it_s" not in r:
@@ -244,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         mem = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "–"
         lines.append(
-            f"| {r['scene']} | {r['variant']} | {r['it_s']:.1f} | {r['ms_per_step']:.2f} | "
+            f"| {r['scene']} | {r['variant']} | {r['it_s']:.1f} | {r['images_s']:.0f} | {r['ms_per_step']:.2f} | "
             f"{r.get('x_plain', 0):.2f} | {mem} | {r.get('max_rel_loss_diff', float('nan')):.1e} |"
         )
     (out / "train_kshapes_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

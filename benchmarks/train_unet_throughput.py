@@ -265,7 +265,8 @@ def run_rapiddiff(
     timer = Timer()
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         precision="bf16-mixed" if args.precision == "bf16" else "32-true",
         max_steps=args.warmup + args.steps + args.profile,
         gradient_clip_val=1.0,
@@ -292,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens here)")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "32"])
+    parser.add_argument(
+        "--devices", type=int, default=1, help="GPUs for rapiddiff's variants (DDP; launch with torchrun)"
+    )
     parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
     parser.add_argument(
         "--variants",
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 {"variant": name, "images_per_s": None, "error": repr(err)[:500], "peak_memory_gib": None}
             )
             continue
-        images_per_s = args.steps * args.batch / measured["seconds"]
+        images_per_s = args.steps * args.batch * args.devices / measured["seconds"]  # all ranks
         row = {"variant": name, "images_per_s": images_per_s, **measured}
         print(f"[{name}] {images_per_s:.2f} images/s", file=sys.stderr, flush=True)
         results.append(row)
@@ -347,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup": args.warmup,
         "results": results,
     }
+    report["devices"] = args.devices
+    if int(os.environ.get("RANK", "0")) != 0:
+        return report
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_unet_throughput.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
