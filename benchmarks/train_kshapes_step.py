@@ -112,23 +112,38 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
 
     variant = VARIANTS[name]
     text_frozen = scene != "chain_on"
-    if "cache_text" in variant.get("speed", {}) and not text_frozen and name != "all":
+    if name == "gpu_data+cache_text" and not text_frozen:
         return {"skipped": "the text side trains in this scene"}
     steps = args.warmup + args.steps
     losses: list[torch.Tensor] = []
     times: dict[str, float] = {}
 
     class Probe(pl.Callback):
+        prof: Any = None
+
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == args.warmup:
                 sync(device)
                 times["start"] = time.perf_counter()
+            if args.profile and trainer.global_step == steps:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+                times["prof_start"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *_: Any) -> None:
             losses.append(outputs["loss"].detach())  # read after the run: no sync per step
             if trainer.global_step == steps:
                 sync(device)
                 times["end"] = time.perf_counter()
+            if self.prof is not None and trainer.global_step == steps + args.profile:
+                sync(device)
+                wall = (time.perf_counter() - times["prof_start"]) / args.profile
+                self.prof.__exit__(None, None, None)
+                write_profile(self.prof, Path(args.out) / f"profile_{scene}_{name}.txt", args.profile, wall)
+                self.prof = None
 
     pl.seed_everything(0, verbose=False)
     module = build_module(scene, variant, text_frozen)
@@ -140,7 +155,7 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         precision="bf16-mixed" if args.precision == "bf16" else "32-true",
-        max_steps=steps,
+        max_steps=steps + args.profile,
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
@@ -169,6 +184,19 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
     return row
 
 
+def write_profile(prof: Any, path: Path, steps: int, wall: float) -> None:
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1000
+    head = f"{steps} profiled steps: wall {wall * 1000:.1f} ms/step, GPU kernel time {gpu_ms:.1f} ms/step"
+    tables = [
+        events.table(sort_by="self_cpu_time_total", row_limit=30),
+        events.table(sort_by="cpu_time_total", row_limit=30),
+        events.table(sort_by="self_device_time_total", row_limit=15),
+    ]
+    path.write_text(head + "\n" + "\n".join(tables) + "\n", encoding="utf-8")
+    print(f"[profile] {path.name}: {head}", file=sys.stderr, flush=True)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -188,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "32"])
     parser.add_argument("--scenes", default="finetune,chain_on,chain_off")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
     parser.add_argument("--devices", type=int, default=1, help="GPUs (DDP; launch with torchrun)")
     parser.add_argument("--parity-steps", type=int, default=20, help="first losses compared with plain")
     args = parser.parse_args(argv)

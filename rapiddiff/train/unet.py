@@ -331,6 +331,25 @@ class LatentDiffusion(RapidModule):
             context.backward(grad)
             self._text_grad = None
 
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # Lightning refuses to clip for a fused AdamW under any AMP plugin (its check is about fp16
+        # loss scaling, which the fused kernel would undo); bf16 and fp32 have no scaler, so the
+        # clip is the same clip_grad_norm_ Lightning would run.
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        if not fused or not gradient_clip_val or str(self.trainer.precision).startswith("16"):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         if self._graphed is None:
             optimizer.zero_grad()
