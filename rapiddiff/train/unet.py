@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapiddiff.train.common import OptimConfig, RapidCLI, RapidModule, configure_adamw, ensure_finite, run_cli
-from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.train.speed import (
     GRAPH_WARMUP_STEPS,
     GraphedLoss,
@@ -85,7 +85,6 @@ class SamplingConfig:
     """Image side in pixels; None = the U-Net's sample_size × the VAE factor."""
 
 
-_TOKEN_CACHE_SIZE = 200_000  # captions whose tokens LatentDiffusion keeps (~2 KB each)
 _LOSS, _OPTIM, _EMA, _SAMPLING, _SPEED = (
     DiffusionLoss(),
     OptimConfig(),
@@ -172,7 +171,7 @@ class LatentDiffusion(RapidModule):
             self.text_encoder.text_model.gradient_checkpointing_enable()
         self.ema = self._make_ema(ema)
         self._latents: torch.Tensor | None = None  # (N, 2·C, h, w) latent mean ‖ logvar when cached
-        self._token_cache: dict[str, dict[str, torch.Tensor]] = {}  # caption → its tokenize() row
+        self._tokenize = TokenMemo(self.text_encoder.tokenize)  # caption → its tokenize() row
         self._resident: ResidentData | None = None  # speed.gpu_data: the training set on the device
         self._graphed: GraphedLoss | None = None  # speed.cuda_graph, from step GRAPH_WARMUP_STEPS on
         self._text_grad: tuple[torch.Tensor, int] | None = None  # graph step: context to backprop into
@@ -406,19 +405,6 @@ class LatentDiffusion(RapidModule):
             torch.is_grad_enabled() and bool({"fusion", "text_encoder"} & set(self.trained))
         ):
             return self.text_encoder(**tokens)
-
-    def _tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        """Tokens and entity ids per caption, memoised: linking (jieba) costs ~0.2 ms a caption,
-        which at large batches rivals a small U-Net's step; captions repeat every epoch."""
-        cache = self._token_cache
-        missing = list(dict.fromkeys(c for c in captions if c not in cache))
-        if missing:
-            if len(cache) + len(missing) > _TOKEN_CACHE_SIZE:
-                cache.clear()
-            fresh = self.text_encoder.tokenize(missing)
-            for row, caption in enumerate(missing):
-                cache[caption] = {k: v[row] for k, v in fresh.items()}
-        return {k: torch.stack([cache[c][k] for c in captions]) for k in cache[captions[0]]}
 
     def sample_noise(self, latents: torch.Tensor) -> torch.Tensor:
         # By shape, not randn_like: the draw must not depend on the latents' memory layout (a VAE's
