@@ -166,7 +166,38 @@ def run_reference(
     sync(device)
     seconds = time.perf_counter() - start
     memory = peak_memory_gib(device)
+    if args.profile:
+        with profiler(args, "reference"):
+            for _ in range(args.profile):
+                step(next(batches))
+            sync(device)
     return {"seconds": seconds, "peak_memory_gib": memory}
+
+
+@contextlib.contextmanager
+def profiler(args: argparse.Namespace, name: str) -> Any:
+    """torch.profiler over the steps inside; top kernels and host ops to OUT/profile_<name>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        yield
+    wall = (time.perf_counter() - start) / args.profile
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / args.profile
+    lines = [
+        f"{name}: {args.profile} profiled steps, wall {wall * 1000:.1f} ms/step, "
+        f"GPU kernel time {device_us / 1000:.1f} ms/step",
+        events.table(
+            sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+            row_limit=25,
+        ),
+        events.table(sort_by="cpu_time_total", row_limit=15),
+    ]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"profile_{name}.txt").write_text("\n".join(lines) + "\n")
+    print(lines[0], file=sys.stderr, flush=True)
 
 
 def _cycle(loader: Any) -> Any:
@@ -176,7 +207,11 @@ def _cycle(loader: Any) -> Any:
 
 # ----------------------------------------------------------------------------- rapiddiff
 def run_rapiddiff(
-    args: argparse.Namespace, device: torch.device, items: list[dict[str, Any]], speed: dict[str, bool]
+    args: argparse.Namespace,
+    device: torch.device,
+    items: list[dict[str, Any]],
+    speed: dict[str, bool],
+    name: str,
 ) -> dict[str, Any]:
     import pytorch_lightning as pl
 
@@ -198,16 +233,24 @@ def run_rapiddiff(
     class Timer(pl.Callback):
         def __init__(self) -> None:
             self.start = self.end = 0.0
+            self.profile: Any = None
 
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == args.warmup:
                 sync(device)
                 self.start = time.perf_counter()
+            if args.profile and trainer.global_step == args.warmup + args.steps:
+                self.profile = profiler(args, name)
+                self.profile.__enter__()
 
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == args.warmup + args.steps:
                 sync(device)
                 self.end = time.perf_counter()
+            if self.profile is not None and trainer.global_step == args.warmup + args.steps + args.profile:
+                sync(device)
+                self.profile.__exit__(None, None, None)
+                self.profile = None
 
     module = LatentDiffusion(
         unet=args.size,
@@ -222,9 +265,10 @@ def run_rapiddiff(
     timer = Timer()
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         precision="bf16-mixed" if args.precision == "bf16" else "32-true",
-        max_steps=args.warmup + args.steps,
+        max_steps=args.warmup + args.steps + args.profile,
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
@@ -250,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "32"])
     parser.add_argument(
+        "--devices", type=int, default=1, help="GPUs for rapiddiff's variants (DDP; launch with torchrun)"
+    )
+    parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
+    parser.add_argument(
         "--variants",
         default="reference," + ",".join(VARIANTS),
         help=f"comma-separated: reference and any of {', '.join(VARIANTS)}",
@@ -273,14 +321,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if name == "reference":
                 measured = run_reference(args, device, items)
             else:
-                measured = run_rapiddiff(args, device, items, VARIANTS[name])
+                measured = run_rapiddiff(args, device, items, VARIANTS[name], name)
         except Exception as err:  # one failing variant (e.g. compile) must not lose the others
             print(f"[{name}] failed: {err!r}", file=sys.stderr, flush=True)
             results.append(
                 {"variant": name, "images_per_s": None, "error": repr(err)[:500], "peak_memory_gib": None}
             )
             continue
-        images_per_s = args.steps * args.batch / measured["seconds"]
+        images_per_s = args.steps * args.batch * args.devices / measured["seconds"]  # all ranks
         row = {"variant": name, "images_per_s": images_per_s, **measured}
         print(f"[{name}] {images_per_s:.2f} images/s", file=sys.stderr, flush=True)
         results.append(row)
@@ -303,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup": args.warmup,
         "results": results,
     }
+    report["devices"] = args.devices
+    if int(os.environ.get("RANK", "0")) != 0:
+        return report
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_unet_throughput.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
 from rapiddiff.train.common import RapidModule, ensure_finite, run_cli
-from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -231,7 +231,10 @@ class CLIPTraining(RapidModule):
     # ------------------------------------------------------------------ one step
     def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
         # Tokenizing and linking are CPU string work: done here, once per batch, before the copy.
-        batch.update(self.model.text_encoder.tokenize(batch["text"]))
+        # Memoised per caption (captions repeat every epoch); the same tensors tokenize() returns.
+        if getattr(self, "_tokenize", None) is None:
+            self._tokenize = TokenMemo(self.model.text_encoder.tokenize)
+        batch.update(self._tokenize(list(batch["text"])))
         return batch
 
     def hide_entity_tokens(self, input_ids: torch.Tensor, token_entity_ids: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,21 @@ Every one is a switch in :class:`SpeedConfig`; with all off the U-Net is diffuse
 Fused QKV changes the parameters (one ``to_qkv`` Linear replaces ``to_q``/``to_k``/``to_v``
 while training), so :func:`unfuse_for_saving` copies the trained fused weights back into the
 original projections before anything is saved in diffusers' format.
+
+The switches below ``attention`` take host work off a small model's step (where a 7 M-parameter
+U-Net at 16² latents waits on kernel launches and host syncs, not on arithmetic): latents and
+captions resident on the GPU (``gpu_data``, ``cache_text``), an EMA update of one fused kernel
+(``foreach_ema``) and the U-Net's forward, loss and backward replayed as one CUDA graph
+(:class:`GraphedLoss`, ``cuda_graph``). Each computes what the plain step computes, from the
+same random draws in the same order; ``tests/train/test_train_speed.py`` compares their losses.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -29,6 +38,18 @@ class SpeedConfig:
     """torch.compile the U-Net in place (nn.Module.compile: parameter names unchanged)."""
     attention: Literal["default", "sdpa", "math"] = "default"
     """Attention kernel: diffusers' default (SDPA on torch 2), SDPA explicitly, or plain math."""
+    gpu_data: bool = False
+    """With ``cache_latents``: the latent cache and the captions' tokens stay on the GPU and every
+    batch is gathered there from the indices the (resumable) sampler draws: no image or caption
+    crosses from the host per step, and the loader hands over indices only."""
+    cache_text: bool = False
+    """With ``gpu_data`` and a frozen text side (no ``fusion``/``text_encoder`` in ``trainable``):
+    every distinct caption's hidden states are computed once and gathered per step."""
+    foreach_ema: bool = False
+    """EMA update as one ``torch._foreach_lerp_`` over a cached parameter list (same state format)."""
+    cuda_graph: bool = False
+    """Capture the U-Net's forward, loss and backward as one CUDA graph after a few eager steps and
+    replay it every step (one GPU, no gradient accumulation, bf16 or fp32; not with ``compile``)."""
 
 
 def apply_speedups(unet: nn.Module, cfg: SpeedConfig) -> nn.Module:
@@ -86,3 +107,126 @@ def unfuse_for_saving(unet: nn.Module) -> None:
     if fused:
         unet.unfuse_qkv_projections()
     unet.to(memory_format=torch.contiguous_format)
+
+
+GRAPH_WARMUP_STEPS = 3
+"""Eager steps before the capture: cuDNN/cuBLAS pick their kernels and lazy state is built."""
+
+
+class GraphedLoss:
+    """``loss_fn(*inputs)`` and its backward, captured once as a CUDA graph and replayed per call.
+
+    Inputs are copied into static buffers; the graph writes the gradients of ``params`` (their
+    ``.grad`` tensors stay the same objects from the capture on, so nothing may set them to None)
+    and, for inputs that require grad, :meth:`input_grad`. Random draws inside ``loss_fn`` come from
+    the CUDA generator's state at each replay, as an eager call would draw them (PyTorch's
+    graph-safe Philox offsets), so a replay after ``torch.manual_seed(s)`` gives the eager numbers.
+    With ``capture=False`` (CPU, tests) the same buffers are filled by an eager call.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        params: Sequence[nn.Parameter],
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        capture: bool = True,
+    ) -> None:
+        self.loss_fn, self.params = loss_fn, list(params)
+        self.autocast_dtype, self.capture = autocast_dtype, capture
+        self.graph: Any = None
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_loss: torch.Tensor | None = None
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        # cache_enabled=False: autocast's weight-cast cache must not outlive a capture.
+        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _forward_backward(self) -> torch.Tensor:
+        with self._autocast(self.static_inputs[0].device):
+            loss = self.loss_fn(*self.static_inputs)
+        loss.backward()
+        return loss
+
+    def _build(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+        if not self.capture:
+            return
+        device = self.static_inputs[0].device
+        # One untimed pass on a side stream (handles, workspaces), with the RNG state put back so
+        # the step that follows draws what the eager step would have drawn.
+        rng = torch.cuda.get_rng_state(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._forward_backward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.set_rng_state(rng, device)
+        self._clear_grads()
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: DataLoader threads may allocate pinned memory while this thread captures.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.static_loss = self._forward_backward()
+
+    def _clear_grads(self) -> None:
+        # Gradients are then allocated inside the graph's pool and overwritten by every replay.
+        for p in self.params:
+            p.grad = None
+        for x in self.static_inputs:
+            x.grad = None
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The loss of ``inputs``; parameter and input gradients are written as a side effect."""
+        if not self.static_inputs:
+            self._build(inputs)
+        for static, x in zip(self.static_inputs, inputs, strict=True):
+            if static.shape != x.shape or static.dtype != x.dtype:
+                raise ValueError(
+                    f"speed.cuda_graph: an input changed from {tuple(static.shape)} {static.dtype} to "
+                    f"{tuple(x.shape)} {x.dtype}; a captured step needs fixed shapes (drop_last batches)"
+                )
+            with torch.no_grad():
+                static.copy_(x)
+        if self.graph is None:
+            self._clear_grads()
+            self.static_loss = self._forward_backward()
+        else:
+            self.graph.replay()
+        assert self.static_loss is not None
+        return self.static_loss.detach().clone()  # the static buffer is overwritten by the next replay
+
+    def input_grad(self, i: int) -> torch.Tensor | None:
+        return self.static_inputs[i].grad
+
+
+class LerpEMA:
+    """diffusers' ``EMAModel`` step as one fused ``torch._foreach_lerp_`` (mixin: see :func:`lerp_ema`).
+
+    ``s ← s - (1 - d)(s - p)`` is ``lerp(s, p, 1 - d)``; the parameter list is taken once (the
+    optimizer's parameters do not change during training) and the state dict is EMAModel's.
+    """
+
+    _params: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def step(self, parameters: Any) -> None:
+        if self._params is None:
+            self._params = [p for p in parameters if p.requires_grad]
+            if len(self._params) != len(self.shadow_params):  # type: ignore[attr-defined]
+                raise ValueError(
+                    "speed.foreach_ema: the EMA tracks frozen parameters; use foreach_ema: false"
+                )
+        self.optimization_step += 1  # type: ignore[attr-defined]
+        decay = self.get_decay(self.optimization_step)  # type: ignore[attr-defined]
+        self.cur_decay_value = decay
+        torch._foreach_lerp_(self.shadow_params, self._params, 1.0 - decay)  # type: ignore[attr-defined]
+
+
+def lerp_ema(*args: Any, **kwargs: Any) -> Any:
+    """An ``EMAModel`` whose ``step`` is :class:`LerpEMA`'s (same arguments, same state dict)."""
+    from diffusers.training_utils import EMAModel
+
+    cls = type("LerpEMAModel", (LerpEMA, EMAModel), {})
+    return cls(*args, **kwargs)

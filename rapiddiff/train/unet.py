@@ -12,6 +12,7 @@ modules train, latent caching, and the speed switches of :mod:`rapiddiff.train.s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapiddiff.train.common import OptimConfig, RapidCLI, RapidModule, configure_adamw, ensure_finite, run_cli
-from rapiddiff.train.data import ImageTextData
-from rapiddiff.train.speed import SpeedConfig, apply_speedups, unfuse_for_saving
+from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.speed import (
+    GRAPH_WARMUP_STEPS,
+    GraphedLoss,
+    SpeedConfig,
+    apply_speedups,
+    lerp_ema,
+    unfuse_for_saving,
+)
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -77,7 +85,6 @@ class SamplingConfig:
     """Image side in pixels; None = the U-Net's sample_size × the VAE factor."""
 
 
-_TOKEN_CACHE_SIZE = 200_000  # captions whose tokens LatentDiffusion keeps (~2 KB each)
 _LOSS, _OPTIM, _EMA, _SAMPLING, _SPEED = (
     DiffusionLoss(),
     OptimConfig(),
@@ -107,7 +114,8 @@ class LatentDiffusion(RapidModule):
         optim: AdamW and its learning-rate schedule.
         ema: EMA of the trained weights (used for sampling and export); null = off.
         sampling: validation prompts, seeds and sampler settings.
-        speed: gradient checkpointing, channels_last, fused QKV, torch.compile.
+        speed: gradient checkpointing, channels_last, fused QKV, torch.compile, and the small-model
+            switches (GPU-resident data and caption states, fused EMA, a CUDA-graph step).
         cache_latents: encode every training image once at the start (the VAE is frozen): faster
             steps when the data fits in memory.
         seed: seed for noise, timesteps and caption dropout (reseeded every batch).
@@ -134,7 +142,8 @@ class LatentDiffusion(RapidModule):
         super().__init__()
         self.save_hyperparameters()
         self.loss_cfg, self.optim_cfg, self.sampling, self.seed = loss, optim, sampling, seed
-        self.cache_latents = cache_latents
+        self.cache_latents, self.speed = cache_latents, speed
+        _check_speed(speed, cache_latents, list(trainable))
         parts = load_components(
             pretrained=pretrained,
             unet=unet,
@@ -162,7 +171,10 @@ class LatentDiffusion(RapidModule):
             self.text_encoder.text_model.gradient_checkpointing_enable()
         self.ema = self._make_ema(ema)
         self._latents: torch.Tensor | None = None  # (N, 2·C, h, w) latent mean ‖ logvar when cached
-        self._token_cache: dict[str, dict[str, torch.Tensor]] = {}  # caption → its tokenize() row
+        self._tokenize = TokenMemo(self.text_encoder.tokenize)  # caption → its tokenize() row
+        self._resident: ResidentData | None = None  # speed.gpu_data: the training set on the device
+        self._graphed: GraphedLoss | None = None  # speed.cuda_graph, from step GRAPH_WARMUP_STEPS on
+        self._text_grad: tuple[torch.Tensor, int] | None = None  # graph step: context to backprop into
         self.strict_loading = False  # checkpoints hold trained weights only (see on_save_checkpoint)
         self.train()  # frozen parts to eval mode now: Lightning keeps submodule modes as it finds them
 
@@ -214,7 +226,7 @@ class LatentDiffusion(RapidModule):
             return None
         from diffusers.training_utils import EMAModel
 
-        return EMAModel(
+        return (lerp_ema if self.speed.foreach_ema else EMAModel)(
             self.trainable_parameters(),
             decay=cfg.decay,
             use_ema_warmup=cfg.warmup,
@@ -241,6 +253,8 @@ class LatentDiffusion(RapidModule):
             raise ValueError(
                 "model.ema cannot be combined with the FSDP strategy: set `model.ema: null` or use ddp"
             )
+        if self.speed.cuda_graph:
+            self._check_graph_trainer()
         dtype = frozen_dtype(str(self.trainer.precision))
         self.vae.to(dtype=dtype)
         if "text_encoder" not in self.trained:
@@ -251,8 +265,21 @@ class LatentDiffusion(RapidModule):
 
     # ------------------------------------------------------------------ one step
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        latents = self.encode_images(batch)  # (B, C, h, w), scaled
-        context = self.encode_text(self.drop_captions(batch["text"]))  # (B, L, D)
+        if self._resident is not None:  # speed.gpu_data: the same draws, gathered on the device
+            latents, context = self._resident.batch(self, batch["position"])
+        else:
+            latents = self.encode_images(batch)  # (B, C, h, w), scaled
+            context = self.encode_text(self.drop_captions(batch["text"]))  # (B, L, D)
+        if self.speed.cuda_graph and self.global_step >= GRAPH_WARMUP_STEPS:
+            loss = self._graph_step(latents, context)
+        else:
+            loss = self.denoising_loss(latents, context)
+        ensure_finite(loss, self._trainer)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def denoising_loss(self, latents: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Noise → noisy latents → U-Net → loss (the part of a step speed.cuda_graph captures)."""
         noise = self.sample_noise(latents)
         timesteps = torch.randint(
             0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
@@ -260,10 +287,78 @@ class LatentDiffusion(RapidModule):
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         target = self.target(latents, noise, timesteps)
         prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
-        loss = self.diffusion_loss(prediction, target, timesteps)
-        ensure_finite(loss, self._trainer)
-        self.log("train/loss", loss, prog_bar=True)
+        return self.diffusion_loss(prediction, target, timesteps)
+
+    # ------------------------------------------------------------------ the captured step
+    def _check_graph_trainer(self) -> None:
+        trainer = self.trainer
+        if trainer.world_size > 1:
+            raise ValueError(
+                "speed.cuda_graph runs on one GPU (DDP's gradient all-reduce is not captured): "
+                "set speed.cuda_graph: false for several devices"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "speed.cuda_graph overwrites gradients every step: set accumulate_grad_batches: 1"
+            )
+        if str(trainer.precision).startswith("16"):
+            raise ValueError("speed.cuda_graph does not capture fp16 loss scaling: use bf16-mixed or 32-true")
+
+    def _graph_step(self, latents: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        if self._graphed is None:
+            precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+            self._graphed = GraphedLoss(
+                self.denoising_loss,
+                [p for p in self.unet.parameters() if p.requires_grad],
+                autocast_dtype=frozen_dtype(precision) if "mixed" in precision else None,
+                capture=latents.device.type == "cuda",
+            )
+        loss = self._graphed(latents, context)
+        # The text side (fusion, tower) is not in the graph: backward() continues from here.
+        self._text_grad = (context, 1) if context.requires_grad else None
         return loss
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._graphed is None or self.global_step < GRAPH_WARMUP_STEPS:
+            super().backward(loss, *args, **kwargs)
+            return
+        # The graph's replay already wrote the U-Net's gradients; send the context's on.
+        if self._text_grad is not None:
+            context, index = self._text_grad
+            grad = self._graphed.input_grad(index)
+            assert grad is not None
+            context.backward(grad)
+            self._text_grad = None
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # Lightning refuses to clip for a fused AdamW under any AMP plugin (its check is about fp16
+        # loss scaling, which the fused kernel would undo); bf16 and fp32 have no scaler, so the
+        # clip is the same clip_grad_norm_ Lightning would run.
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        if not fused or not gradient_clip_val or str(self.trainer.precision).startswith("16"):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if self._graphed is None:
+            optimizer.zero_grad()
+            return
+        # The U-Net's gradients are the graph's static buffers (overwritten by each replay): keep them.
+        graph_owned = {id(p) for p in self._graphed.params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in graph_owned:
+                    p.grad = None
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """The same loss with noise and timesteps fixed per batch, so curves are comparable."""
@@ -287,7 +382,9 @@ class LatentDiffusion(RapidModule):
         if self._latents is not None and sample:
             params = self._latents[batch["index"].cpu()].to(self.device)
         else:
-            with torch.no_grad():
+            # Outside autocast: the frozen VAE runs in its own (training-precision) dtype, as
+            # train_text_to_image.py runs it; autocast would redo its GroupNorms in float32.
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
                 params = self.vae.encode(batch["pixel_values"].to(self.vae.dtype)).latent_dist.parameters
         dist = DiagonalGaussianDistribution(params.float())
         latents = dist.sample() if sample else dist.mode()
@@ -300,26 +397,19 @@ class LatentDiffusion(RapidModule):
 
     def encode_text(self, captions: Sequence[str]) -> torch.Tensor:
         tokens = {k: v.to(self.device) for k, v in self._tokenize(list(captions)).items()}
+        return self.text_forward(tokens)
+
+    def text_forward(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Tokens on the device → hidden states (with grad when a text part trains)."""
         with torch.set_grad_enabled(
             torch.is_grad_enabled() and bool({"fusion", "text_encoder"} & set(self.trained))
         ):
             return self.text_encoder(**tokens)
 
-    def _tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        """Tokens and entity ids per caption, memoised: linking (jieba) costs ~0.2 ms a caption,
-        which at large batches rivals a small U-Net's step; captions repeat every epoch."""
-        cache = self._token_cache
-        missing = list(dict.fromkeys(c for c in captions if c not in cache))
-        if missing:
-            if len(cache) + len(missing) > _TOKEN_CACHE_SIZE:
-                cache.clear()
-            fresh = self.text_encoder.tokenize(missing)
-            for row, caption in enumerate(missing):
-                cache[caption] = {k: v[row] for k, v in fresh.items()}
-        return {k: torch.stack([cache[c][k] for c in captions]) for k in cache[captions[0]]}
-
     def sample_noise(self, latents: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn_like(latents)
+        # By shape, not randn_like: the draw must not depend on the latents' memory layout (a VAE's
+        # output can be channels-last, the latent cache's is contiguous).
+        noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
         if self.loss_cfg.noise_offset:
             # Per image and channel: lets the model shift overall brightness (Guttenberg 2023).
             noise = noise + self.loss_cfg.noise_offset * torch.randn(
@@ -347,10 +437,14 @@ class LatentDiffusion(RapidModule):
         return (per_image * weights).mean()
 
     # ------------------------------------------------------------------ EMA and checkpoints
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        super().optimizer_step(*args, **kwargs)
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, *args, **kwargs)
+        if self._graphed is None:
+            # Free the gradients now, not at the next step's zero_grad (Lightning's comes after the
+            # forward): they would otherwise sit beside the next forward's activations.
+            optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.step(self.trainable_parameters())
+            self.ema.step(p for p in self.parameters() if p.requires_grad)  # LerpEMA reads it once
 
     def on_fit_start(self) -> None:
         if self.ema is not None:
@@ -359,6 +453,10 @@ class LatentDiffusion(RapidModule):
     def on_train_start(self) -> None:
         if self.cache_latents and self._latents is None:
             self._latents = self._encode_dataset(self.trainer.train_dataloader)
+        if self.speed.gpu_data:
+            dataset = getattr(self.trainer.train_dataloader, "dataset", None)
+            self._resident = ResidentData.build(self, getattr(dataset, "source", dataset))
+            return
         if self._latents is not None:
             # Workers start after this hook: from now on they skip decoding images (latents are cached).
             dataset = getattr(self.trainer.train_dataloader, "dataset", None)
@@ -395,10 +493,9 @@ class LatentDiffusion(RapidModule):
         from torch.utils.data import DataLoader
         from tqdm.auto import tqdm
 
-        dataset = loader.dataset
-        plain = DataLoader(
-            dataset, batch_size=loader.batch_size, num_workers=loader.num_workers, shuffle=False
-        )
+        dataset = getattr(loader.dataset, "source", loader.dataset)  # an index loader's dataset
+        workers = getattr(self.trainer.datamodule, "num_workers", loader.num_workers) if self._trainer else 0
+        plain = DataLoader(dataset, batch_size=loader.batch_size, num_workers=workers, shuffle=False)
         # Items are indexed by their row in the source table (skipped rows leave gaps).
         positions = getattr(dataset, "indices", None)
         rows = max(positions) + 1 if positions else len(dataset)
@@ -418,6 +515,7 @@ class LatentDiffusion(RapidModule):
             # Items that failed to decode in the workers were replaced there by the next good one,
             # leaving their cache rows empty: skip them for the rest of training too.
             dataset.mark_failed(j for j, row in enumerate(positions) if not filled[row])
+        self._filled = filled
         return cache
 
     # ------------------------------------------------------------------ sampling and export
@@ -487,6 +585,102 @@ class LatentDiffusion(RapidModule):
             unet, self.vae, PNDMScheduler.from_config(self.scheduler_config), self.text_encoder
         )
         return save_model_folder(bundle, path)
+
+
+def _check_speed(speed: SpeedConfig, cache_latents: bool, trainable: list[str]) -> None:
+    if speed.gpu_data and not cache_latents:
+        raise ValueError("speed.gpu_data keeps the latent cache on the GPU: set model.cache_latents: true")
+    if speed.cache_text and not speed.gpu_data:
+        raise ValueError("speed.cache_text needs speed.gpu_data: true (the states live beside the latents)")
+    if speed.cache_text and {"fusion", "text_encoder"} & set(trainable):
+        raise ValueError(
+            "speed.cache_text needs a frozen text side, but model.trainable has "
+            f"{sorted({'fusion', 'text_encoder'} & set(trainable))}: set cache_text: false"
+        )
+    if speed.cuda_graph and speed.compile:
+        raise ValueError(
+            "speed.cuda_graph and speed.compile: choose one (a compiled U-Net is not captured here)"
+        )
+
+
+class ResidentData:
+    """The training set on the device (``speed.gpu_data``): latent parameters, tokens per caption,
+    and with ``speed.cache_text`` the caption hidden states. A batch is gathered from the sampler's
+    positions with the plain step's random draws, in its order (latent sample on the device,
+    caption dropout from the host generator)."""
+
+    def __init__(
+        self,
+        latents: torch.Tensor,
+        rows: torch.Tensor,
+        captions: torch.Tensor,
+        empty: int,
+        tokens: dict[str, torch.Tensor],
+        states: torch.Tensor | None,
+    ) -> None:
+        self.latents = latents  # (N_rows, 2·C, h, w) mean ‖ logvar, float32
+        self.rows = rows  # (N,) position → source row (failed items → the next good one)
+        self.captions = captions  # (N,) position → distinct-caption id
+        self.empty = empty  # the id of "" (caption dropout)
+        self.tokens = tokens  # {name: (U, L)} per distinct caption
+        self.states = states  # (U, L, D) or None
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, module: LatentDiffusion, dataset: Any) -> ResidentData:
+        if module._latents is None or not hasattr(dataset, "texts") or not hasattr(dataset, "indices"):
+            raise ValueError(
+                "speed.gpu_data needs cached latents and an ImageTextDataset (with .texts and .indices); "
+                f"got {type(dataset).__name__}"
+            )
+        filled = getattr(module, "_filled", None)
+        rows: list[int] = list(dataset.indices)
+        good = [j for j, r in enumerate(rows) if filled is None or bool(filled[r])]
+        if not good:
+            raise RuntimeError("speed.gpu_data: no training image could be encoded")
+        # As ImageTextDataset.__getitem__ does: a failed item is replaced by the next good one.
+        nxt, redirect = good[0], [0] * len(rows)
+        for j in reversed(range(len(rows))):
+            if filled is None or bool(filled[rows[j]]):
+                nxt = j
+            redirect[j] = nxt
+        texts = [dataset.texts[redirect[j]] for j in range(len(rows))]
+        distinct = list(dict.fromkeys(["", *texts]))
+        ids = {c: i for i, c in enumerate(distinct)}
+        device = module.device
+        tokens = {k: v.to(device) for k, v in module._tokenize(distinct).items()}
+        states = None
+        if module.speed.cache_text:
+            chunks = []
+            context = module.trainer.precision_plugin.forward_context() if module._trainer else None
+            with context or contextlib.nullcontext():
+                for start in range(0, len(distinct), 256):
+                    part = {k: v[start : start + 256] for k, v in tokens.items()}
+                    chunks.append(module.text_forward(part))
+            states = torch.cat(chunks)
+        return cls(
+            latents=module._latents.to(device),
+            rows=torch.tensor([rows[redirect[j]] for j in range(len(rows))], device=device),
+            captions=torch.tensor([ids[t] for t in texts], device=device),
+            empty=ids[""],
+            tokens=tokens,
+            states=states,
+        )
+
+    def batch(self, module: LatentDiffusion, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latents (B, C, h, w) scaled, context (B, L, D)) for these sampler positions."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        positions = positions.to(self.rows.device, non_blocking=True)
+        params = self.latents[self.rows[positions]]  # (B, 2·C, h, w)
+        latents = DiagonalGaussianDistribution(params).sample() * module.vae.config.scaling_factor
+        drop = torch.rand(len(positions)) < module.loss_cfg.caption_dropout  # as drop_captions draws it
+        if drop.device != positions.device:
+            drop = drop.pin_memory().to(positions.device, non_blocking=True)
+        caption = torch.where(drop, self.empty, self.captions[positions])  # (B,)
+        if self.states is not None:
+            return latents, self.states[caption]
+        return latents, module.text_forward({k: v[caption] for k, v in self.tokens.items()})
 
 
 def frozen_dtype(precision: str) -> torch.dtype:
