@@ -2,8 +2,7 @@
 
 ``create_app(config)`` builds an app whose lifespan loads the model in the background (``/health``
 answers at once, ``/ready`` once the model is loaded and warmed up) and, on shutdown, finishes
-every queued request before the process exits. Ray Serve builds the same app around an engine it
-has already loaded (``create_app(engine=...)``).
+every queued request before the process exits. Ray Serve builds the same app in each replica.
 """
 
 from __future__ import annotations
@@ -55,23 +54,20 @@ def _validation_error(err: RequestValidationError) -> ApiError:
 
 
 def create_app(config: ServeConfig | None = None, *, engine: Engine | None = None) -> FastAPI:
-    """The app; with ``engine`` given (and loaded), it is used as it is and not closed by the app."""
-    owns_engine = engine is None
+    """The app around ``engine`` (default: a new one for ``config``), which the app's lifespan
+    loads in the background and closes (finishing its queue) at shutdown."""
     engine = engine or Engine(config or ServeConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = None
-        if owns_engine:
-            loading = asyncio.create_task(engine.start())  # /health answers while the model loads
-            loading.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by start()
+        loading = asyncio.create_task(engine.start())  # /health answers while the model loads
+        loading.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by start()
         try:
             yield
         finally:
-            if loading is not None and not loading.done():
+            if not loading.done():
                 loading.cancel()
-            if owns_engine:
-                await engine.close()
+            await engine.close()
 
     app = FastAPI(title="rapiddiff serve", version=__version__, lifespan=lifespan)
     app.state.engine = engine

@@ -140,14 +140,15 @@ class Engine:
         self._after_load()
 
     async def start(self) -> None:
-        """Load the copies in parallel, each in its own worker thread, then start the workers."""
+        """Load the copies (in the worker threads), warm them up in parallel, start the workers."""
         loop = asyncio.get_running_loop()
         try:
-            pipes = await asyncio.gather(
-                *(loop.run_in_executor(w.executor, self.loader, self.config, w.device) for w in self.workers)
-            )
-            for worker, pipe in zip(self.workers, pipes, strict=True):
-                worker.pipe = pipe
+            # One copy after another (each in its worker's thread, off the event loop): diffusers'
+            # lazy module imports are not thread-safe, so parallel first loads can fail.
+            for worker in self.workers:
+                worker.pipe = await loop.run_in_executor(
+                    worker.executor, self.loader, self.config, worker.device
+                )
             await asyncio.gather(*(loop.run_in_executor(w.executor, self._warm_up, w) for w in self.workers))
             self.limits = model_limits(self.workers[0].pipe, self.config)
             self.ready = True

@@ -40,8 +40,11 @@ def wait_ready(url: str, timeout: float = 240, proc: subprocess.Popen | None = N
                 f"the server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}"
             )
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+            response = httpx.get(f"{url}/ready", timeout=5)
+            if response.status_code == 200:
                 return
+            if response.status_code == 500:
+                raise RuntimeError(f"the model failed to load: {response.text}")
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
