@@ -21,7 +21,6 @@ spreads requests over the replicas and its autoscaler adds or removes replicas.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import replace
 from typing import Any
@@ -62,8 +61,11 @@ def build_deployment(
         raise ValueError("--ray: Ray gives each replica its device; drop --devices (one copy per replica)")
     # Each replica sees only the GPU Ray gave it: its "auto" device is that GPU (or the CPU).
     replica_config = replace(config, devices=["auto" if gpus else "cpu"])
-    builder = functools.partial(create_app, replica_config)
-    deployment = serve.deployment(serve.ingress(builder)())
+
+    def build_app() -> Any:  # Ray calls a plain function (not a partial) in each replica
+        return create_app(replica_config)
+
+    deployment = serve.deployment(serve.ingress(build_app)())
     autoscaling = {
         "min_replicas": min_replicas,
         "max_replicas": max_replicas,
