@@ -81,11 +81,20 @@ def load_pipeline(config: ServeConfig, device_name: str) -> Any:
     log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
     pipe = RapidDiffusionPipeline.from_pretrained(model_dir, device=device, dtype=dtype)
     if config.fast:
-        pipe.enable_fast()
+        # The fast path captures one sampling graph per (batch, size, steps): keep one per batch
+        # bucket and warmed-up size, so serving never evicts and recaptures them.
+        sizes = max(1, len(config.warmup_sizes))
+        pipe.enable_fast(max_graphs=len(batch_buckets(config.max_batch)) * sizes + 1)
     linker = getattr(pipe.text_encoder, "linker", None)
     if linker is not None:
         linker.link("番茄")  # jieba loads its dictionary on first use: pay that before /ready
     return pipe
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes the fast path runs: powers of two below ``max_batch``, and ``max_batch``."""
+    sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
+    return [*sizes, max_batch]
 
 
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
@@ -166,16 +175,18 @@ class Engine:
         self.ready = True
 
     def _warm_up(self, worker: Worker) -> None:
-        """With the fast path, sample once per served size and batch bound, so /ready means fast."""
+        """With the fast path, sample once per served size and batch bucket at the default steps
+        (each is a compiled, captured graph), so /ready means fast."""
         if not self.config.fast:
             return
         pipe = worker.pipe
         sizes = self.config.warmup_sizes or [(pipe.default_size, pipe.default_size)]
+        steps = model_limits(pipe, self.config).defaults["num_inference_steps"]
         for height, width in sizes:
-            for batch in sorted({1, self.config.max_batch}):
+            for batch in batch_buckets(self.config.max_batch):
                 t0 = time.perf_counter()
                 pipe(["warm-up"] * batch, seed=list(range(batch)), height=height, width=width,
-                     num_inference_steps=2, progress=False)  # fmt: skip
+                     num_inference_steps=steps, progress=False)  # fmt: skip
                 log.info("warm-up %s %dx%d batch %d: %.1f s", worker.device, height, width, batch,
                          time.perf_counter() - t0)  # fmt: skip
 
@@ -318,12 +329,20 @@ class Engine:
         out: list[list[GeneratedImage]] = [[] for _ in jobs]
         by_seed: dict[tuple[int, int], GeneratedImage] = {}
         step = max(1, self.config.max_batch)
+        buckets = batch_buckets(self.config.max_batch)
         for start in range(0, len(rows), step):
             chunk = rows[start : start + step]
+            # The fast path runs captured graphs of fixed batch sizes: pad with copies of the last
+            # row up to the next bucket (an image depends only on its own row, so the copies are
+            # dropped unseen) rather than capture a graph for every batch size.
+            rows_run = chunk
+            if self.config.fast:
+                padded = next(b for b in buckets if b >= len(chunk))
+                rows_run = chunk + [chunk[-1]] * (padded - len(chunk))
             result = worker.pipe(
-                [r[1] for r in chunk],
-                negative_prompt=[r[2] for r in chunk],
-                seed=[r[0] for r in chunk],
+                [r[1] for r in rows_run],
+                negative_prompt=[r[2] for r in rows_run],
+                seed=[r[0] for r in rows_run],
                 num_inference_steps=s.steps,
                 guidance_scale=s.guidance,
                 height=s.height,
@@ -334,7 +353,8 @@ class Engine:
                 progress=False,
                 **jobs[0].extra,
             )
-            for (seed, _, _, j), image, meta in zip(chunk, result.images, result.metadata, strict=True):
+            pairs = zip(chunk, result.images[: len(chunk)], result.metadata[: len(chunk)], strict=True)
+            for (seed, _, _, j), image, meta in pairs:
                 # The CLI's writer, so the bytes are the CLI's (metadata chunks included).
                 path = save_png(image, worker.scratch / f"{threading.get_ident()}-{seed}.png", meta)
                 by_seed[(j, seed)] = GeneratedImage(path.read_bytes(), seed, meta)
