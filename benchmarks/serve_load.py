@@ -35,6 +35,7 @@ from rapiddiff.serve.app import create_app
 from rapiddiff.serve.config import ServeConfig
 from rapiddiff.serve.engine import Engine, load_pipeline
 from rapiddiff.serve.metrics import quantile
+from rapiddiff.utils.logging import setup_logging
 
 PROMPTS = ["蓝色背景上有一个番茄", "一只熊猫", "红色的圆形", "绿色背景上有一个香蕉", "黄色的柠檬", "一个西瓜"]
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "--per-client",
         type=int,
         default=0,
-        help="requests per client (default: 64 / C on a GPU, 16 / C on the CPU, ≥ 2)",
+        help="requests per client (default: 32 / C on a GPU, 16 / C on the CPU, ≥ 2)",
     )
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-wait-ms", type=float, default=20)
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=os.environ.get("OUT"), help="folder for serve_load.json (default $OUT)"
     )
     args = parser.parse_args(argv)
+    setup_logging(0)  # the engine's warm-up times at INFO
 
     tmp = None
     model = args.model
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.size:
         body["size"] = f"{args.size}x{args.size}"
     # Enough requests that each level runs several full batches (fewer on the slow CPU).
-    total = 64 if pipe.device.type == "cuda" else 16
+    total = 32 if pipe.device.type == "cuda" else 16
 
     def per_client(clients: int) -> int:
         return args.per_client or max(2, total // clients)
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, config in (("batched", batched_cfg), ("baseline", baseline_cfg)):
         print(f"{name} (max_batch={config.max_batch}, max_wait_ms={config.max_wait_ms}):", flush=True)
         results[name] = measure(Engine(config, loader=shared), args.concurrency, per_client, body)
+        if args.out:  # as we go: a run cut short keeps what it measured
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "serve_load.json").write_text(json.dumps(results, indent=2))
 
     import torch
 

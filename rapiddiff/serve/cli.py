@@ -48,6 +48,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=4, help="most images per pipeline call (default 4)")
     parser.add_argument(
+        "--fast-batches", metavar="N,N,...",
+        help="with --fast: batch sizes given a captured graph, ending at --max-batch (default 1,2,4,...; "
+        "each costs a compile before /ready)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-wait-ms",
         type=float,
         default=50.0,
@@ -93,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> object:
         fast=args.fast,
         warmup_sizes=list(args.warmup_size or []),
         max_batch=args.max_batch,
+        fast_batches=_int_list(args.fast_batches, "--fast-batches"),
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         max_images=args.max_images,
@@ -101,6 +107,15 @@ def config_from_args(args: argparse.Namespace) -> object:
         default_steps=args.steps,
         default_upscale=args.upscale,
     )
+
+
+def _int_list(text: str | None, flag: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError as err:
+        raise ValueError(f"{flag} '{text}': give comma-separated integers, e.g. 1,2,4,8") from err
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,10 @@ class ServeConfig:
     """Use the pipeline's fast path (``pipe.enable_fast()``); ``/ready`` waits for its warm-up."""
     warmup_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size)."""
+    fast_batches: list[int] = field(default_factory=list)
+    """With ``fast``: the batch sizes that get a captured graph (a batch is padded up to the next);
+    default: powers of two below ``max_batch``, and ``max_batch``. Each costs a compile in warm-up
+    (74–93 s each for SD 1.5 at 512² on an H100), so ``1,8`` is ready sooner, padding more."""
     max_batch: int = 4
     """Most images sampled in one pipeline call (requests of the same size and settings share it)."""
     max_wait_ms: float = 50.0
@@ -49,6 +53,14 @@ class ServeConfig:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {value}")
+        if self.fast_batches and (
+            sorted(set(self.fast_batches)) != self.fast_batches
+            or self.fast_batches[-1] != self.max_batch
+            or self.fast_batches[0] < 1
+        ):
+            raise ValueError(
+                f"fast_batches {self.fast_batches}: give increasing sizes ≥ 1 ending at max_batch ({self.max_batch})"
+            )
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
         if self.default_steps is not None and not 1 <= self.default_steps <= self.max_steps:

@@ -84,15 +84,17 @@ def load_pipeline(config: ServeConfig, device_name: str) -> Any:
         # The fast path captures one sampling graph per (batch, size, steps): keep one per batch
         # bucket and warmed-up size, so serving never evicts and recaptures them.
         sizes = max(1, len(config.warmup_sizes))
-        pipe.enable_fast(max_graphs=len(batch_buckets(config.max_batch)) * sizes + 1)
+        pipe.enable_fast(max_graphs=len(batch_buckets(config.max_batch, config.fast_batches)) * sizes + 1)
     linker = getattr(pipe.text_encoder, "linker", None)
     if linker is not None:
         linker.link("番茄")  # jieba loads its dictionary on first use: pay that before /ready
     return pipe
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes the fast path runs: powers of two below ``max_batch``, and ``max_batch``."""
+def batch_buckets(max_batch: int, chosen: list[int] | None = None) -> list[int]:
+    """Batch sizes the fast path runs: ``chosen``, else powers of two below ``max_batch`` and ``max_batch``."""
+    if chosen:
+        return list(chosen)
     sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
     return [*sizes, max_batch]
 
@@ -183,7 +185,7 @@ class Engine:
         sizes = self.config.warmup_sizes or [(pipe.default_size, pipe.default_size)]
         steps = model_limits(pipe, self.config).defaults["num_inference_steps"]
         for height, width in sizes:
-            for batch in batch_buckets(self.config.max_batch):
+            for batch in batch_buckets(self.config.max_batch, self.config.fast_batches):
                 t0 = time.perf_counter()
                 pipe(["warm-up"] * batch, seed=list(range(batch)), height=height, width=width,
                      num_inference_steps=steps, progress=False)  # fmt: skip
@@ -329,7 +331,7 @@ class Engine:
         out: list[list[GeneratedImage]] = [[] for _ in jobs]
         by_seed: dict[tuple[int, int], GeneratedImage] = {}
         step = max(1, self.config.max_batch)
-        buckets = batch_buckets(self.config.max_batch)
+        buckets = batch_buckets(self.config.max_batch, self.config.fast_batches)
         for start in range(0, len(rows), step):
             chunk = rows[start : start + step]
             # The fast path runs captured graphs of fixed batch sizes: pad with copies of the last

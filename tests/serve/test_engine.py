@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import threading
 import time
@@ -12,8 +13,9 @@ import pytest
 
 from rapiddiff.serve.app import create_app
 from rapiddiff.serve.config import ServeConfig, parse_devices
-from rapiddiff.serve.engine import Engine, load_pipeline
+from rapiddiff.serve.engine import Engine, batch_buckets, load_pipeline
 from rapiddiff.serve.metrics import quantile
+from rapiddiff.serve.schemas import ImageRequest
 
 from .conftest import FAST_FLAGS, metric, serve_in_thread, serve_process
 
@@ -160,5 +162,32 @@ def test_config_and_helpers():
         ServeConfig(max_batch=0)
     with pytest.raises(ValueError, match="default_steps"):
         ServeConfig(default_steps=500)
+    with pytest.raises(ValueError, match="ending at max_batch"):
+        ServeConfig(max_batch=8, fast_batches=[1, 4])
+    assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(8, [1, 8]) == [1, 8]
     assert quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
     assert quantile([3.0, 1.0, 2.0, 4.0], 0.95) == 4.0
+
+
+def test_fast_batches_are_padded_to_the_warmed_up_sizes():
+    """With the fast path, warm-up samples each batch bucket, and a batch of 3 runs padded to 4
+    (copies of its last row), its 3 images answered; the pipeline here is the eager one, recorded."""
+    calls: list = []
+    config = ServeConfig(
+        devices=["cpu"], fast=True, max_batch=4, default_steps=1, default_upscale=False, max_wait_ms=500
+    )
+    eager = load_pipeline(dataclasses.replace(config, fast=False), "cpu")
+    engine = Engine(config, loader=lambda cfg, device: RecordingPipeline(eager, calls))
+
+    async def scenario():
+        await engine.start()
+        try:
+            requests = [ImageRequest(prompt="番茄", seed=s, steps=1) for s in (5, 6, 7)]
+            return await asyncio.wait_for(asyncio.gather(*(engine.generate(r) for r in requests)), 240)
+        finally:
+            await engine.close()
+
+    results = asyncio.run(scenario())
+    assert [len(c[0]) for c in calls] == [1, 2, 4, 4]  # warm-up of buckets 1, 2, 4; then the batch
+    assert [images[0].seed for images in results] == [5, 6, 7]
