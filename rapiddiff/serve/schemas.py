@@ -150,6 +150,12 @@ def check_request(
     if not req.prompt.strip():
         raise ApiError(400, "prompt is empty; describe the image to draw", param="prompt")
     for param, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+        # Tokenizing runs on the event loop: refuse absurd lengths before it.
+        if len(text) > 64 * limits.max_tokens:
+            raise ApiError(
+                400, f"{param} is {len(text)} characters long; the text encoder reads at most "
+                f"{limits.max_tokens} tokens: shorten it", param=param, code="prompt_too_long",
+            )  # fmt: skip
         tokens = limits.count_tokens(text)
         if tokens > limits.max_tokens:
             raise ApiError(

@@ -110,6 +110,7 @@ BAD = {
     "too many images": ({"n": 5}, 400, "too_many_images"),
     "too many steps": ({"steps": 101}, 400, "too_many_steps"),
     "prompt too long": ({"prompt": "番茄" * 40}, 400, "prompt_too_long"),
+    "prompt far too long": ({"prompt": "x" * 100_000}, 400, "prompt_too_long"),
     "unknown field": ({"num_images": 2}, 400, "unknown_field"),
     "bad base64": ({"init_image": "%%%not base64%%%"}, 400, "invalid_base64"),
     "base64 of a non-image": ({"init_image": TINY_PNG}, 400, "invalid_image"),
