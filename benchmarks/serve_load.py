@@ -168,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-wait-ms", type=float, default=20)
     parser.add_argument(
+        "--fast-batches",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --fast: captured batch sizes (default 1,2,4,..)",
+    )
+    parser.add_argument(
         "--out", default=os.environ.get("OUT"), help="folder for serve_load.json (default $OUT)"
     )
     args = parser.parse_args(argv)
@@ -184,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [(args.size, args.size)] if args.size else []
     batched_cfg = ServeConfig(
         model=Path(model) if model else None, devices=[args.device], fast=args.fast, warmup_sizes=sizes,
-        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, default_steps=args.steps, default_upscale=False,
+        max_batch=args.max_batch, fast_batches=args.fast_batches, max_wait_ms=args.max_wait_ms, default_steps=args.steps, default_upscale=False,
         max_queue=4096,
     )  # fmt: skip
-    baseline_cfg = ServeConfig(**{**batched_cfg.__dict__, "max_batch": 1, "max_wait_ms": 0})
+    baseline_cfg = ServeConfig(
+        **{**batched_cfg.__dict__, "max_batch": 1, "max_wait_ms": 0, "fast_batches": []}
+    )
 
     t0 = time.perf_counter()
     pipe = load_pipeline(batched_cfg, args.device)  # one copy for both servers
