@@ -64,9 +64,23 @@ class Worker:
         self.index = index
         self.pipe: Any = None
         # One thread per model copy: its calls never overlap, and the event loop never waits on it.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rapiddiff-serve-{index}")
+        self.executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"rapiddiff-serve-{index}",
+            initializer=_bind_device,
+            initargs=(device,),
+        )
         self.scratch = Path(tempfile.mkdtemp(prefix="rapiddiff-serve-"))
         self.busy = False
+
+
+def _bind_device(device: str) -> None:
+    """Make a worker thread's current CUDA device its own GPU: CUDA graph capture and the default
+    stream follow the thread's current device, which is cuda:0 unless set."""
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(int(device.split(":", 1)[1]))
 
 
 def load_pipeline(config: ServeConfig, device_name: str) -> Any:
@@ -151,7 +165,7 @@ class Engine:
         self._after_load()
 
     async def start(self) -> None:
-        """Load the copies (in the worker threads), warm them up in parallel, start the workers."""
+        """Load and warm up the copies (each in its worker's thread), then start the workers."""
         loop = asyncio.get_running_loop()
         try:
             # One copy after another (each in its worker's thread, off the event loop): diffusers'
@@ -160,7 +174,8 @@ class Engine:
                 worker.pipe = await loop.run_in_executor(
                     worker.executor, self.loader, self.config, worker.device
                 )
-            await asyncio.gather(*(loop.run_in_executor(w.executor, self._warm_up, w) for w in self.workers))
+            for worker in self.workers:  # one after another too: torch.compile is not thread-safe
+                await loop.run_in_executor(worker.executor, self._warm_up, worker)
             self.limits = model_limits(self.workers[0].pipe, self.config)
             self.ready = True
         except Exception as err:
