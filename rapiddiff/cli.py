@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rapiddiff.eval.cli",
         "evaluate: sample, FID, CLIP score, recall, knowledge accuracy, HTML report",
     ),
+    "serve": (
+        "rapiddiff.serve.cli",
+        "HTTP API (OpenAI images), micro-batching, web page; --ray for Ray Serve",
+    ),
 }
 
 

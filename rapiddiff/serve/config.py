@@ -1,0 +1,82 @@
+"""The server's settings: what it loads, how it batches, and the limits a request must keep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServeConfig:
+    """Settings of one ``rapiddiff serve`` process (or of one Ray Serve replica)."""
+
+    model: Path | None = None
+    """Model folder; ``None`` is the built-in model (or ``$RAPIDDIFF_MODEL``), as in ``rapiddiff generate``."""
+    devices: list[str] = field(default_factory=lambda: ["auto"])
+    """One model copy and one worker thread per entry: ``auto``, ``cpu``, ``cuda:0``, ``cuda:1``, ..."""
+    dtype: str = "auto"
+    """``auto`` (fp16 on CUDA, fp32 on CPU), ``float32``, ``float16`` or ``bfloat16``."""
+    fast: bool = False
+    """Use the pipeline's fast path (``pipe.enable_fast()``); ``/ready`` waits for its warm-up."""
+    warmup_sizes: list[tuple[int, int]] = field(default_factory=list)
+    """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size)."""
+    fast_batches: list[int] = field(default_factory=list)
+    """With ``fast``: the batch sizes that get a captured graph (a batch is padded up to the next);
+    default: powers of two below ``max_batch``, and ``max_batch``. Each costs a compile in warm-up
+    (74–93 s each for SD 1.5 at 512² on an H100), so ``1,8`` is ready sooner, padding more."""
+    max_batch: int = 4
+    """Most images sampled in one pipeline call (requests of the same size and settings share it)."""
+    max_wait_ms: float = 50.0
+    """How long the oldest queued request waits for others to fill its batch."""
+    max_queue: int = 256
+    """Most images waiting; beyond it a request is refused with 429 (back-pressure, not a growing backlog)."""
+    max_images: int = 4
+    """Most images one request may ask for (``n``)."""
+    max_steps: int = 100
+    """Most denoising steps one request may ask for."""
+    max_side: int = 1024
+    """Largest height or width (before upscaling) one request may ask for."""
+    default_steps: int | None = None
+    """Steps when a request names none (default: the model folder's, else 50)."""
+    default_upscale: bool | None = None
+    """Upscale when a request does not say (default: as ``rapiddiff generate``, on when the model has one)."""
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("devices: give at least one (e.g. cpu, cuda:0)")
+        for name, value in (
+            ("max_batch", self.max_batch),
+            ("max_queue", self.max_queue),
+            ("max_images", self.max_images),
+            ("max_steps", self.max_steps),
+            ("max_side", self.max_side),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {value}")
+        if self.fast_batches and (
+            sorted(set(self.fast_batches)) != self.fast_batches
+            or self.fast_batches[-1] != self.max_batch
+            or self.fast_batches[0] < 1
+        ):
+            raise ValueError(
+                f"fast_batches {self.fast_batches}: give increasing sizes ≥ 1 ending at max_batch ({self.max_batch})"
+            )
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
+        if self.default_steps is not None and not 1 <= self.default_steps <= self.max_steps:
+            raise ValueError(
+                f"default_steps must be in 1..max_steps ({self.max_steps}), got {self.default_steps}"
+            )
+        if self.model is not None:
+            self.model = Path(self.model)
+
+
+def parse_devices(text: str) -> list[str]:
+    """``"0,1"`` → ``["cuda:0", "cuda:1"]``; ``"cpu"``, ``"auto"`` and ``"cuda:N"`` pass through."""
+    devices = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"--devices '{text}': empty entry; use e.g. 0,1 or cpu")
+        devices.append(f"cuda:{part}" if part.isdigit() else part)
+    return devices

@@ -1,0 +1,124 @@
+"""The same app on Ray Serve: ``rapiddiff serve --ray`` (``pip install 'rapiddiff[ray]'``).
+
+Every replica builds the very app ``rapiddiff serve`` runs (:func:`rapiddiff.serve.app.create_app`,
+through ``serve.ingress``'s app builder, so the model loads inside the replica, not in the driver)
+with its own engine: one model copy, its micro-batching queue, its metrics. Ray Serve's proxy
+spreads requests over the replicas and its autoscaler adds or removes replicas.
+
+- **GPUs:** a replica asks Ray for ``1 / replicas_per_gpu`` GPUs; Ray sets ``CUDA_VISIBLE_DEVICES``
+  for it, so its device ``auto`` is the GPU it was given. One replica per GPU is the default (one
+  model copy per GPU, as ``--devices 0,1`` does in one process); 2 puts two copies on each GPU,
+  which helps only where one copy leaves the GPU idle between batches.
+- **Autoscaling:** ``min_replicas`` .. ``max_replicas``, aiming at ``target_ongoing_requests``
+  requests in flight per replica (about two full batches keeps a GPU busy while the next batch
+  queues). ``max_ongoing_requests`` is set above the batch size, or Ray would never hand a
+  replica enough requests to batch.
+- **A cluster:** start Ray on each machine (``ray start --head`` on one, ``ray start
+  --address=HEAD:6379`` on the others), then run ``rapiddiff serve --ray --ray-address auto
+  --max-replicas N`` on the head; replicas land wherever Ray finds a free GPU. Every machine needs
+  rapiddiff installed and the model folder at the same path (or a shared file system).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from rapiddiff.serve.app import create_app
+from rapiddiff.serve.config import ServeConfig
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def _require_ray() -> Any:
+    try:
+        from ray import serve
+    except ImportError as err:
+        raise RuntimeError(
+            "--ray needs Ray Serve: pip install 'rapiddiff[ray]' (or pip install 'ray[serve]')"
+        ) from err
+    return serve
+
+
+def build_deployment(
+    config: ServeConfig,
+    *,
+    gpus: bool,
+    replicas_per_gpu: int = 1,
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    target_ongoing_requests: float = 8,
+) -> Any:
+    """A bound Ray Serve application: the rapiddiff app behind ``serve.ingress``, autoscaled."""
+    serve = _require_ray()
+    if replicas_per_gpu < 1:
+        raise ValueError(f"--replicas-per-gpu must be ≥ 1, got {replicas_per_gpu}")
+    if not 1 <= min_replicas <= max_replicas:
+        raise ValueError(f"need 1 ≤ --min-replicas ({min_replicas}) ≤ --max-replicas ({max_replicas})")
+    if len(config.devices) != 1 or config.devices[0] not in ("auto", "cpu", "cuda", "cuda:0"):
+        raise ValueError("--ray: Ray gives each replica its device; drop --devices (one copy per replica)")
+    # Each replica sees only the GPU Ray gave it: its "auto" device is that GPU (or the CPU).
+    replica_config = replace(config, devices=["auto" if gpus else "cpu"])
+
+    def build_app() -> Any:  # Ray calls a plain function (not a partial) in each replica
+        return create_app(replica_config)
+
+    deployment = serve.deployment(serve.ingress(build_app)())
+    autoscaling = {
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "target_ongoing_requests": target_ongoing_requests,
+    }
+    options: dict[str, Any] = {
+        "name": "rapiddiff",
+        "ray_actor_options": {"num_gpus": 1 / replicas_per_gpu if gpus else 0, "num_cpus": 1},
+        # Enough in flight to fill batches; beyond it Ray queues in its proxy (back-pressure).
+        "max_ongoing_requests": max(2 * config.max_batch, int(2 * target_ongoing_requests)),
+        "graceful_shutdown_timeout_s": 600,  # the app finishes its queue before a replica goes
+        "health_check_period_s": 10,
+    }
+    if min_replicas == max_replicas:
+        options["num_replicas"] = min_replicas
+    else:
+        options["autoscaling_config"] = autoscaling
+    return deployment.options(**options).bind()
+
+
+def run_ray(
+    config: ServeConfig,
+    *,
+    host: str,
+    port: int,
+    address: str | None = None,
+    replicas_per_gpu: int = 1,
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    target_ongoing_requests: float = 8,
+) -> int:
+    """Connect to (or start) Ray, deploy the app, and serve until interrupted."""
+    serve = _require_ray()
+    import ray
+
+    ray.init(address=address, ignore_reinit_error=True)
+    gpus = ray.cluster_resources().get("GPU", 0) > 0 and config.devices != ["cpu"]
+    app = build_deployment(
+        config,
+        gpus=gpus,
+        replicas_per_gpu=replicas_per_gpu,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        target_ongoing_requests=target_ongoing_requests,
+    )
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name="rapiddiff", route_prefix="/")
+    print(f"rapiddiff serve --ray: http://{host}:{port}/ (Ray dashboard lists the replicas)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()  # replicas run their lifespan shutdown: queued requests finish first
+    return 0

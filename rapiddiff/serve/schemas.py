@@ -1,0 +1,241 @@
+"""The request body of ``POST /v1/images/generations`` and its checks.
+
+OpenAI's images API fields (``prompt``, ``n``, ``size``, ``response_format``, ``model``, ``user``)
+keep OpenAI's meaning, so the official ``openai`` client works unchanged; rapiddiff's own fields
+(``negative_prompt``, ``seed``, ``steps``, ...) ride in the same JSON object (the client's
+``extra_body``). :func:`check_request` turns a body into pipeline settings or raises
+:class:`ApiError`, a 4xx that names the field and what to send instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rapiddiff.serve.config import ServeConfig
+
+
+class ApiError(Exception):
+    """An error the client caused (or a refusal): HTTP ``status`` with OpenAI's error object."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class ImageRequest(BaseModel):
+    """``POST /v1/images/generations``; an unknown field is an error, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    # --- OpenAI's images API
+    prompt: str = Field(description="what to draw (Chinese or any language the model knows)")
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
+    n: int = Field(1, description="number of images; image k gets seed + k")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" before upscaling (default: the model\'s)')
+    response_format: str = Field("b64_json", description='only "b64_json" (PNG bytes, base64)')
+    output_format: str | None = Field(None, description='only "png"')
+    user: str | None = Field(None, description="an end-user id (accepted, not used)")
+    # --- rapiddiff's own
+    negative_prompt: str | None = Field(None, description="what to steer away from")
+    seed: int | None = Field(None, description="seed of the first image (default: random; returned)")
+    steps: int | None = Field(None, description="denoising steps (default: the model's)")
+    guidance: float | None = Field(None, description="classifier-free guidance scale; ≤ 1 turns it off")
+    scheduler: str | None = Field(None, description="pndm, ddim or dpm++ (default: the model's)")
+    knowledge: bool = Field(True, description="fuse the knowledge graph's facts (false: base text encoder)")
+    upscale: bool | None = Field(None, description="ESRGAN ×4 (default: the server's setting)")
+    init_image: str | None = Field(None, description="img2img: a base64 PNG/JPEG (when the pipeline has it)")
+    mask_image: str | None = Field(None, description="inpainting: a base64 mask (white = repaint)")
+    strength: float | None = Field(None, description="img2img/inpaint: how much of init_image to redo, 0..1")
+
+
+class LinkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that must be equal for two images to share one pipeline call (the batch key)."""
+
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    scheduler: str
+    knowledge: bool
+    upscale: bool
+    image_key: int = 0  # requests with an init image never share a batch (0: none)
+
+
+@dataclass
+class ModelLimits:
+    """What the loaded model accepts, read once from the pipeline when it is loaded."""
+
+    name: str
+    default_size: int
+    size_multiple: int
+    max_tokens: int
+    schedulers: tuple[str, ...]
+    has_upscaler: bool
+    defaults: dict[str, Any]  # num_inference_steps, guidance_scale, scheduler
+    pipeline_kwargs: frozenset[str]  # the keyword arguments the pipeline's __call__ takes
+    count_tokens: Any  # prompt → number of tokens the text encoder sees (with special tokens)
+
+
+_SIZE = re.compile(r"\s*(\d+)\s*[xX×*]\s*(\d+)\s*")
+
+
+def decode_image(text: str, param: str) -> Any:
+    """A base64 image (optionally a ``data:image/...;base64,`` URL) → PIL image; 400 if it is not one."""
+    from PIL import Image, UnidentifiedImageError
+
+    payload = text.split(",", 1)[1] if text.startswith("data:") and "," in text else text
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ApiError(400, f"{param}: not valid base64 ({err})", param=param, code="invalid_base64") from err
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError) as err:
+        raise ApiError(
+            400, f"{param}: base64 decodes to {len(raw)} bytes that are not a PNG/JPEG image", param=param,
+            code="invalid_image",
+        ) from err  # fmt: skip
+    return image
+
+
+def check_request(
+    req: ImageRequest, limits: ModelLimits, config: ServeConfig
+) -> tuple[Settings, dict[str, Any]]:
+    """Validate ``req`` against the model and the server's limits.
+
+    Returns the batch key and the per-request pipeline arguments (prompt, negative prompt, seeds,
+    images); raises :class:`ApiError` (4xx) naming the field at fault.
+    """
+    if req.response_format != "b64_json":
+        raise ApiError(
+            400, f'response_format "{req.response_format}" is not served; use "b64_json" (PNG bytes in the response)',
+            param="response_format", code="unsupported_response_format",
+        )  # fmt: skip
+    if req.output_format not in (None, "png"):
+        raise ApiError(
+            400, f'output_format "{req.output_format}": only "png" is served', param="output_format"
+        )
+    if req.model not in (None, "", limits.name):
+        raise ApiError(
+            404, f"model '{req.model}' is not served here; this server serves '{limits.name}' (GET /v1/models)",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    if not 1 <= req.n <= config.max_images:
+        raise ApiError(
+            400,
+            f"n={req.n}: ask for 1 to {config.max_images} images per request",
+            param="n",
+            code="too_many_images",
+        )
+    if not req.prompt.strip():
+        raise ApiError(400, "prompt is empty; describe the image to draw", param="prompt")
+    for param, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+        # Tokenizing runs on the event loop: refuse absurd lengths before it.
+        if len(text) > 64 * limits.max_tokens:
+            raise ApiError(
+                400, f"{param} is {len(text)} characters long; the text encoder reads at most "
+                f"{limits.max_tokens} tokens: shorten it", param=param, code="prompt_too_long",
+            )  # fmt: skip
+        tokens = limits.count_tokens(text)
+        if tokens > limits.max_tokens:
+            raise ApiError(
+                400, f"{param} is {tokens} tokens long; the text encoder reads at most {limits.max_tokens} "
+                "(with its 2 special tokens): shorten it", param=param, code="prompt_too_long",
+            )  # fmt: skip
+    height = width = limits.default_size
+    if req.size not in (None, "auto"):
+        match = _SIZE.fullmatch(req.size)
+        if not match:
+            raise ApiError(400, f'size "{req.size}": use "WIDTHxHEIGHT", e.g. "256x256"', param="size")
+        width, height = int(match.group(1)), int(match.group(2))
+        m = limits.size_multiple
+        if width % m or height % m or not width or not height:
+            raise ApiError(
+                400, f'size "{req.size}": width and height must be positive multiples of {m} for this model '
+                f"(nearest: {_nearest(width, m)}x{_nearest(height, m)})", param="size", code="invalid_size",
+            )  # fmt: skip
+        if max(width, height) > config.max_side:
+            raise ApiError(
+                400, f'size "{req.size}": the largest side this server samples is {config.max_side}',
+                param="size", code="invalid_size",
+            )  # fmt: skip
+    steps = req.steps if req.steps is not None else limits.defaults["num_inference_steps"]
+    if not 1 <= steps <= config.max_steps:
+        raise ApiError(
+            400,
+            f"steps={steps}: use 1 to {config.max_steps} denoising steps",
+            param="steps",
+            code="too_many_steps",
+        )
+    guidance = req.guidance if req.guidance is not None else float(limits.defaults["guidance_scale"])
+    if not 0 <= guidance <= 50:
+        raise ApiError(
+            400, f"guidance={guidance}: use a scale from 0 to 50 (≤ 1 turns guidance off)", param="guidance"
+        )
+    scheduler = (req.scheduler or limits.defaults["scheduler"]).lower()
+    scheduler = {"plms": "pndm", "dpmsolver++": "dpm++", "dpm-solver++": "dpm++", "dpmpp": "dpm++"}.get(
+        scheduler, scheduler
+    )
+    if scheduler not in limits.schedulers:
+        raise ApiError(
+            400,
+            f"scheduler '{req.scheduler}': choose one of {', '.join(limits.schedulers)}",
+            param="scheduler",
+        )
+    upscale = req.upscale if req.upscale is not None else bool(
+        config.default_upscale if config.default_upscale is not None else limits.has_upscaler
+    )  # fmt: skip
+    if upscale and not limits.has_upscaler:
+        raise ApiError(400, "upscale: this model has no upscaler; send upscale=false", param="upscale")
+    if req.seed is not None and not 0 <= req.seed <= 2**63 - 1 - req.n:
+        raise ApiError(400, f"seed={req.seed}: use an integer from 0 to 2^63 - 1 - n", param="seed")
+
+    extra: dict[str, Any] = {}
+    image_key = 0
+    for param in ("init_image", "mask_image"):
+        text = getattr(req, param)
+        if text is None:
+            continue
+        image = decode_image(text, param)  # bad base64 is a 400 whether or not the pipeline has img2img
+        if param not in limits.pipeline_kwargs:
+            raise ApiError(
+                400, f"{param}: this rapiddiff version's pipeline has no img2img/inpainting yet; send text only",
+                param=param, code="unsupported",
+            )  # fmt: skip
+        extra[param] = image.convert("L" if param == "mask_image" else "RGB")
+        image_key = id(extra)
+    if req.mask_image is not None and req.init_image is None:
+        raise ApiError(400, "mask_image needs init_image (the image to inpaint)", param="mask_image")
+    if req.strength is not None:
+        if req.init_image is None:
+            raise ApiError(400, "strength applies to init_image; send one or drop strength", param="strength")
+        if not 0 < req.strength <= 1:
+            raise ApiError(400, f"strength={req.strength}: use a number in (0, 1]", param="strength")
+        extra["strength"] = req.strength
+
+    settings = Settings(height, width, steps, float(guidance), scheduler, req.knowledge, upscale, image_key)
+    return settings, extra
+
+
+def _nearest(value: int, multiple: int) -> int:
+    return max(multiple, round(value / multiple) * multiple)

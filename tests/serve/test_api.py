@@ -1,0 +1,202 @@
+"""rapiddiff serve against a live server: the openai client, plain httpx, errors, batching, CLI parity."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from rapiddiff.cli import main as cli_main
+
+from .conftest import metric
+
+PROMPTS = ["蓝色背景上有一个番茄", "一只熊猫", "红色的圆形", "绿色背景上有一个香蕉"]
+
+
+def png_meta(data: bytes) -> dict:
+    with Image.open(io.BytesIO(data)) as image:
+        return json.loads(image.text["rapiddiff"])
+
+
+def cli_pngs(tmp_path, name: str, *args: str) -> list[bytes]:
+    """`rapiddiff generate` with the server's defaults (2 steps, no upscale); the PNGs' bytes in order."""
+    out = tmp_path / name
+    code = cli_main(
+        ["generate", *args, "--steps", "2", "--no-upscale", "--no-grid", "--no-progress", "--out", str(out)]
+    )
+    assert code == 0
+    return [p.read_bytes() for p in sorted(out.glob("*.png"))]
+
+
+def test_openai_client_works_unchanged(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", timeout=120, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["model"]
+    result = client.images.generate(
+        prompt="蓝色背景上有一个番茄", n=2, size="128x128", response_format="b64_json"
+    )
+    assert len(result.data) == 2
+    seeds = []
+    for item in result.data:
+        data = base64.b64decode(item.b64_json)
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.format == "PNG" and image.size == (128, 128)
+        meta = png_meta(data)
+        assert meta["prompt"] == "蓝色背景上有一个番茄" and meta["steps"] == 2 and meta["upscale"] is False
+        seeds.append(meta["seed"])
+    assert seeds[1] == seeds[0] + 1  # image k gets seed + k, as `rapiddiff generate --num-images`
+    # Errors arrive as the client's own exception types, with our message.
+    with pytest.raises(openai.BadRequestError, match="multiples of 32"):
+        client.images.generate(prompt="x", size="100x100", response_format="b64_json")
+    # rapiddiff's own fields ride in extra_body.
+    other = client.images.generate(
+        prompt="一只熊猫",
+        response_format="b64_json",
+        extra_body={"seed": 3, "knowledge": False, "guidance": 1.0},
+    )
+    meta = png_meta(base64.b64decode(other.data[0].b64_json))
+    assert (meta["seed"], meta["knowledge"], meta["guidance"]) == (3, False, 1.0)
+
+
+def test_httpx_image_is_the_clis_image_byte_for_byte(server, tmp_path):
+    body = {"prompt": PROMPTS[0], "seed": 11, "n": 2, "negative_prompt": "模糊", "scheduler": "ddim"}
+    response = httpx.post(f"{server}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    served = [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
+    assert [item["seed"] for item in response.json()["data"]] == [11, 12]
+    # The CLI with the same prompt, seed and settings, and the same batch (the request's 2 images).
+    cli = cli_pngs(
+        tmp_path,
+        "cli",
+        PROMPTS[0],
+        "--seed",
+        "11",
+        "--num-images",
+        "2",
+        "--negative",
+        "模糊",
+        "--scheduler",
+        "ddim",
+    )
+    assert served == cli  # the whole files: pixels and metadata chunks
+
+
+def test_health_ready_models_settings_link(server):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server}/ready").json()["status"] == "ready"
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == "model"
+    settings = httpx.get(f"{server}/v1/settings").json()
+    assert settings["size_multiple"] == 32 and settings["defaults"]["steps"] == 2
+    linked = httpx.post(f"{server}/v1/link", json={"prompt": "蓝色背景上有一个番茄"}).json()
+    assert [(s["surface"], s["start"], s["end"]) for s in linked["spans"]] == [
+        ("蓝色", 0, 2),
+        ("番茄", 8, 10),
+    ]
+    tomato = linked["spans"][1]
+    assert tomato["entity"] == "番茄" and "颜色: 红色" in tomato["facts"]
+    assert "<textarea" in httpx.get(f"{server}/").text
+
+
+TINY_PNG = base64.b64encode(b"not a png at all").decode()
+BAD = {
+    "size not a multiple": ({"size": "100x128"}, 400, "invalid_size"),
+    "size too large": ({"size": "2048x2048"}, 400, "invalid_size"),
+    "too many images": ({"n": 5}, 400, "too_many_images"),
+    "too many steps": ({"steps": 101}, 400, "too_many_steps"),
+    "prompt too long": ({"prompt": "番茄" * 40}, 400, "prompt_too_long"),
+    "prompt far too long": ({"prompt": "x" * 100_000}, 400, "prompt_too_long"),
+    "unknown field": ({"num_images": 2}, 400, "unknown_field"),
+    "bad base64": ({"init_image": "%%%not base64%%%"}, 400, "invalid_base64"),
+    "base64 of a non-image": ({"init_image": TINY_PNG}, 400, "invalid_image"),
+    "wrong type": ({"n": "two"}, 400, "invalid_value"),
+    "unknown scheduler": ({"scheduler": "euler-x"}, 400, None),
+    "url response": ({"response_format": "url"}, 400, "unsupported_response_format"),
+    "unknown model": ({"model": "dall-e-3"}, 404, "model_not_found"),
+    "empty prompt": ({"prompt": "   "}, 400, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_each_bad_request_gets_its_4xx_and_the_server_keeps_serving(server, case):
+    fields, status, code = BAD[case]
+    response = httpx.post(
+        f"{server}/v1/images/generations", json={"prompt": "一只熊猫", **fields}, timeout=60
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if code:
+        assert error["code"] == code
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_malformed_bodies_are_400(server):
+    url = f"{server}/v1/images/generations"
+    not_json = httpx.post(url, content=b"{prompt: oops", headers={"Content-Type": "application/json"})
+    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+    missing = httpx.post(url, json={"n": 1})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
+    assert httpx.post(url, json=["a list"]).status_code == 400
+
+
+def test_concurrent_requests_are_batched_and_keep_their_seeds(server, tmp_path):
+    before = httpx.get(f"{server}/metrics").text
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            calls = [
+                client.post(f"{server}/v1/images/generations", json={"prompt": p, "seed": 100 + i})
+                for i, p in enumerate(PROMPTS)
+            ]
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=240)
+
+    responses = asyncio.run(send_all())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    served = [base64.b64decode(r.json()["data"][0]["b64_json"]) for r in responses]
+    after = httpx.get(f"{server}/metrics").text
+    # One pipeline call of 4 images served the 4 requests.
+    calls = metric(after, "rapiddiff_batch_size_count") - metric(before, "rapiddiff_batch_size_count")
+    images = metric(after, "rapiddiff_batch_size_sum") - metric(before, "rapiddiff_batch_size_sum")
+    assert (calls, images) == (1, 4)
+    assert metric(after, 'rapiddiff_batch_size_bucket{le="2"}') == metric(
+        before, 'rapiddiff_batch_size_bucket{le="2"}'
+    )
+    assert metric(after, 'rapiddiff_requests_total{endpoint="generations",status="200"}') >= 4
+
+    # Each is the CLI's image for its prompt and seed: byte for byte when the CLI samples the same
+    # four together (seeds 100..103 in one batch of 4) ...
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS), encoding="utf-8")
+    together = cli_pngs(tmp_path, "together", "--prompts", str(prompts), "--seed", "100", "--batch-size", "4")
+    assert served == together
+    # ... and, sampled one at a time, the same image up to CPU float rounding in a batch of another
+    # size (BLAS kernels sum in a batch-size-dependent order: at most 1 level, on few pixels).
+    alone = cli_pngs(tmp_path, "alone", "--prompts", str(prompts), "--seed", "100", "--batch-size", "1")
+    for a, b in zip(served, alone, strict=True):
+        x = np.asarray(Image.open(io.BytesIO(a)), dtype=int)
+        y = np.asarray(Image.open(io.BytesIO(b)), dtype=int)
+        assert np.abs(x - y).max() <= 1 and (x != y).mean() < 0.01
+        assert png_meta(a) == png_meta(b)
+
+
+def test_metrics_are_prometheus_text(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in (
+        "rapiddiff_requests_total",
+        "rapiddiff_queue_depth",
+        "rapiddiff_batch_size",
+        "rapiddiff_request_latency_seconds",
+        "rapiddiff_request_latency_quantile_seconds",
+    ):
+        assert f"# TYPE {name} " in text
+    assert metric(text, 'rapiddiff_queue_depth{unit="images"}') == 0
+    assert metric(text, "rapiddiff_ready") == 1
+    p50 = metric(text, 'rapiddiff_request_latency_quantile_seconds{quantile="0.5"}')
+    p95 = metric(text, 'rapiddiff_request_latency_quantile_seconds{quantile="0.95"}')
+    assert 0 < p50 <= p95
