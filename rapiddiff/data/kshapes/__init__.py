@@ -9,7 +9,7 @@ from rapiddiff.data.kshapes.detect import detect_attributes
 from rapiddiff.data.kshapes.entities import ENTITIES, Entity, choose_heldout, kg_aliases, kg_triples
 from rapiddiff.data.kshapes.generate import SMALL_PRESET, KShapesConfig, generate_kshapes
 from rapiddiff.data.kshapes.palette import BACKGROUNDS, COLOURS, LAYOUTS, SHAPES
-from rapiddiff.data.kshapes.render import ShapeSpec, render
+from rapiddiff.data.kshapes.render import ShapeSpec, render, render_mask
 
 __all__ = [
     "BACKGROUNDS",
@@ -27,4 +27,5 @@ __all__ = [
     "kg_aliases",
     "kg_triples",
     "render",
+    "render_mask",
 ]
