@@ -6,7 +6,14 @@
 """
 
 from rapiddiff.data.kshapes.detect import detect_attributes
-from rapiddiff.data.kshapes.entities import ENTITIES, Entity, choose_heldout, kg_aliases, kg_triples
+from rapiddiff.data.kshapes.entities import (
+    ENTITIES,
+    Entity,
+    choose_heldout,
+    choose_validation,
+    kg_aliases,
+    kg_triples,
+)
 from rapiddiff.data.kshapes.generate import SMALL_PRESET, KShapesConfig, generate_kshapes
 from rapiddiff.data.kshapes.palette import BACKGROUNDS, COLOURS, LAYOUTS, SHAPES
 from rapiddiff.data.kshapes.render import ShapeSpec, render, render_mask
@@ -22,6 +29,7 @@ __all__ = [
     "KShapesConfig",
     "ShapeSpec",
     "choose_heldout",
+    "choose_validation",
     "detect_attributes",
     "generate_kshapes",
     "kg_aliases",
