@@ -270,7 +270,7 @@ class Chain:
         steps = "4" if self.smoke else str(self.cfg.eval_steps)
         per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
         common = ["--steps", steps, "--images-per-prompt", per_prompt, "--seed", str(self.cfg.seed),
-                  "--splits", "seen,heldout,val"]  # fmt: skip
+                  "--splits", "seen,heldout,val", *(["--limit", "6"] if self.smoke else [])]  # fmt: skip
         # (model, prompts, modes) per evaluation. The knowledge-off model has no store: only "off".
         # "text" spells the KG facts into the prompt for the same U-Net: the ceiling for "on".
         on_modes = "on,off,text" if self.cfg.eval_text_mode else "on,off"
@@ -281,7 +281,7 @@ class Chain:
         jobs = {}
         for name, (model, prompts, modes) in runs.items():
             target = self.results / name
-            if not (target / "knowledge.json").exists():
+            if not (target / "metrics" / "knowledge.json").exists():  # what eval knowledge writes last
                 jobs[name] = self.rapiddiff(
                     "eval", "knowledge", "--model", str(self.out / model), "--kshapes", str(prompts),
                     "--out", str(target), "--modes", modes, *common,
@@ -507,7 +507,8 @@ def seed_measures(run: Path) -> dict[str, float]:
                  "knowledge_robust_unet-on": "U-Net on, robust prompts"}[name]  # fmt: skip
         for row in json.loads(path.read_text("utf-8"))["table"]:
             split = row["split"] + (f" {row['variant']}" if row.get("variant") else "")
-            for key in ("colour", "shape", "both"):
+            # Per prompt variant only "both" (the robustness figure); colour and shape per split.
+            for key in ("both",) if row.get("variant") else ("colour", "shape", "both"):
                 found[f"{label} | {split} | knowledge {row['knowledge']} | {key} %"] = row[key]
     on = {k: v for k, v in found.items() if k.startswith("U-Net on | heldout | ")}
     embed, text = (
