@@ -197,6 +197,7 @@ def latent_statistics(
     generator = torch.Generator(device=device).manual_seed(seed)
     total = total_sq = 0.0
     n = 0
+    channel_sq: torch.Tensor | None = None
     was_training = vae.training
     vae.eval()
     for start in range(0, len(picks), batch_size):
@@ -204,9 +205,18 @@ def latent_statistics(
         dist = vae.encode(images.to(device=device, dtype=vae.dtype)).latent_dist
         z = dist.sample(generator=generator).double()  # (B, C, h, w)
         total, total_sq, n = total + float(z.sum()), total_sq + float((z * z).sum()), n + z.numel()
+        sq = (z * z).sum((0, 2, 3))  # (C,)
+        channel_sq = sq if channel_sq is None else channel_sq + sq
     vae.train(was_training)
     mean = total / n
-    return {"std": (total_sq / n - mean * mean) ** 0.5, "mean": mean, "images": float(len(picks))}
+    assert channel_sq is not None
+    rms = (channel_sq * channel_sq.numel() / n).sqrt()  # per-channel root mean square
+    return {
+        "std": (total_sq / n - mean * mean) ** 0.5,
+        "mean": mean,
+        "images": float(len(picks)),
+        "channel_rms_ratio": float(rms.max() / rms.min().clamp_min(1e-12)),
+    }
 
 
 def set_scaling_factor(
@@ -218,6 +228,15 @@ def set_scaling_factor(
     if not stats["std"] > 0:
         raise ValueError(f"the latents have std {stats['std']}: cannot scale them to unit std")
     vae.register_to_config(scaling_factor=round(1.0 / stats["std"], 6))
+    if stats["channel_rms_ratio"] > 10:
+        # One factor for all channels: a channel far larger than the rest sets it, and the others
+        # reach the U-Net nearly silent. Seen on a briefly trained VAE with kl_weight 1e-6.
+        log.warning(
+            "latent channels differ %.0f× in scale: one scaling_factor (%.4g) leaves the small ones near "
+            "zero; train the VAE longer or with a larger loss.kl_weight",
+            stats["channel_rms_ratio"],
+            vae.config.scaling_factor,
+        )
     return stats
 
 
