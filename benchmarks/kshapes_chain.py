@@ -4,6 +4,15 @@
     python benchmarks/kshapes_chain.py --out runs/kshapes --part prep   # data, kg, clip, vae, upscaler
     python benchmarks/kshapes_chain.py --out runs/kshapes --part unet   # U-Nets, evaluation, the model
     python benchmarks/kshapes_chain.py --out /tmp/k --smoke             # every stage for a few steps (CPU)
+    python benchmarks/kshapes_chain.py --out runs/ks --seeds 0,1,2 --part prep   # 3 seeds side by side
+    python benchmarks/kshapes_chain.py --out runs/ks --seeds 0,1,2 --part unet   # ... then mean ± sd
+
+``--seed S`` threads one seed through every stage (kshapes data and its held-out/validation
+entities, TransE, every Lightning stage's seed_everything / model / data order, evaluation
+sampling). ``--seeds`` runs one chain process per seed at once, in OUT/seed-S, each on a GPU of its
+own where there are several (``--gpus``) or all on one; then OUT/summary.{md,json} gives each
+measure's mean ± sd over the seeds and the seed to ship — chosen on the *validation* KG-only
+entities (knowledge on, both attributes right), never on the test held-out ones.
 
 Each stage is the same `rapiddiff` command a user would run, with the stage's shipped config
 (`configs/<stage>/kshapes.yaml`) and this chain's paths and time budget as overrides — the chain's own
@@ -25,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,6 +66,10 @@ class ChainConfig:
     """images generated for each kshapes evaluation prompt, knowledge on and off."""
     eval_steps: int = 25
     """PNDM steps for the evaluation images (and the built-in model's default)."""
+    eval_robust: bool = True
+    """also evaluate prompts_robust.jsonl (wording no training caption uses), knowledge on and off."""
+    eval_text_mode: bool = True
+    """also evaluate knowledge mode "text" (KG facts spelled into the prompt) on the same U-Net: the ceiling."""
 
 
 def main() -> int:
@@ -64,8 +78,21 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs/kshapes/chain.yaml")
     parser.add_argument("--part", choices=["all", "prep", "unet"], default="all")
     parser.add_argument("--smoke", action="store_true", help="tiny data, a few steps a stage, CPU")
+    parser.add_argument("--seed", type=int, help="the seed of every stage (default: the config's)")
+    parser.add_argument(
+        "--seeds", help="several seeds side by side, e.g. 0,1,2: OUT/seed-S each, then OUT/summary.md"
+    )
+    parser.add_argument(
+        "--gpus", help="with --seeds: GPU ids to spread the seeds over (default: every visible GPU)"
+    )
+    parser.add_argument(
+        "--workers", type=int, help="data-loader workers per training process (default: the config's)"
+    )
     args = parser.parse_args()
-    cfg = load_config(ChainConfig, args.config)
+    if args.seeds:
+        return run_seeds(args)
+    overrides = {k: v for k, v in (("seed", args.seed), ("workers", args.workers)) if v is not None}
+    cfg = load_config(ChainConfig, args.config, **overrides)
     chain = Chain(args.out.resolve(), cfg, smoke=args.smoke)
     if args.part in ("all", "prep"):
         chain.prep()
@@ -134,8 +161,15 @@ class Chain:
             f"--output={output}",
             f"--data.num_workers={0 if self.smoke else self.cfg.workers}",
             *(["--data.batch_size=8"] if self.smoke else []),
+            *self.seed_overrides(stage),
             *overrides,
         )  # fmt: skip
+
+    def seed_overrides(self, stage: str) -> list[str]:
+        """The chain's seed for a Lightning stage: global RNGs, data order, and the module's own."""
+        seed = self.cfg.seed
+        own = [f"--model.seed={seed}"] if stage in ("vae", "unet", "upscaler") else []  # CLIP has none
+        return [f"--seed_everything={seed}", f"--data.seed={seed}", *own]
 
     # ---- the chain ----------------------------------------------------------------------------
     def prep(self) -> None:
@@ -148,8 +182,13 @@ class Chain:
             )
             kg_cfg.write_text(text, "utf-8")
             extra = ["--epochs", "20"] if self.smoke else []
+            seed = ["--seed", str(self.cfg.seed)]
             self.run_parallel(
-                {"kg": self.rapiddiff("kg", "train", "--config", str(kg_cfg), "--out", str(store), *extra)}
+                {
+                    "kg": self.rapiddiff(
+                        "kg", "train", "--config", str(kg_cfg), "--out", str(store), *seed, *extra
+                    )
+                }
             )
         jobs = {}
         data = [f"--data.train={self.data / 'train'}", f"--data.val={self.data / 'val'}"]
@@ -170,6 +209,17 @@ class Chain:
             self.run_parallel(jobs)
         self.recall()
 
+    def vae_recon(self) -> dict[str, list[str]]:
+        """The VAE's reconstructions of fresh test renders, read by the detector (its own benchmark)."""
+        target = self.results / "vae_recon"
+        if (target / "kshapes_vae_recon.json").exists():
+            return {}
+        n = "16" if self.smoke else "300"
+        size = "64" if self.smoke else "128"
+        cmd = [self.python, str(ROOT / "benchmarks/kshapes_vae_recon.py"), "--vae", str(self.out / "vae"),
+               "--n", n, "--size", size, "--out", str(target)]  # fmt: skip
+        return {"vae_recon": cmd}
+
     def recall(self) -> None:
         lists = self.entity_lists()
         jobs = {}
@@ -182,6 +232,7 @@ class Chain:
                             "eval", "recall", "--model", str(self.out / f"clip_{train}"), "--data", str(self.data / "test"),
                             "--knowledge", test, "--filter-entities", str(path), "--out", str(target),
                         )  # fmt: skip
+        jobs.update(self.vae_recon())
         if jobs:
             self.run_parallel(jobs)
 
@@ -212,20 +263,28 @@ class Chain:
         upscaler = next((self.out / "upscaler").rglob("*.safetensors"))
         steps = 4 if self.smoke else self.cfg.eval_steps
         assemble_builtin_model(self.out / "unet_on", upscaler, self.data, builtin, steps)
+        record_kg_only_entities(self.data, builtin)
         self.timings["assemble"] = round(time.time() - start, 1)
 
     def evaluate(self) -> None:
         steps = "4" if self.smoke else str(self.cfg.eval_steps)
         per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
+        common = ["--steps", steps, "--images-per-prompt", per_prompt, "--seed", str(self.cfg.seed),
+                  "--splits", "seen,heldout,val", *(["--limit", "6"] if self.smoke else [])]  # fmt: skip
+        # (model, prompts, modes) per evaluation. The knowledge-off model has no store: only "off".
+        # "text" spells the KG facts into the prompt for the same U-Net: the ceiling for "on".
+        on_modes = "on,off,text" if self.cfg.eval_text_mode else "on,off"
+        runs = {"knowledge_unet-on": ("unet_on", self.data, on_modes),
+                "knowledge_unet-off": ("unet_off", self.data, "off")}  # fmt: skip
+        if self.cfg.eval_robust:
+            runs["knowledge_robust_unet-on"] = ("unet_on", self.data / "prompts_robust.jsonl", "on,off")
         jobs = {}
-        for mode in ("on", "off"):
-            target = self.results / f"knowledge_unet-{mode}"
-            if not (target / "knowledge.json").exists():
-                # The knowledge-off model has no store: only its own (off) mode exists.
-                modes = "on,off" if mode == "on" else "off"
-                jobs[f"knowledge_{mode}"] = self.rapiddiff(
-                    "eval", "knowledge", "--model", str(self.out / f"unet_{mode}"), "--kshapes", str(self.data),
-                    "--out", str(target), "--steps", steps, "--images-per-prompt", per_prompt, "--modes", modes,
+        for name, (model, prompts, modes) in runs.items():
+            target = self.results / name
+            if not (target / "metrics" / "knowledge.json").exists():  # what eval knowledge writes last
+                jobs[name] = self.rapiddiff(
+                    "eval", "knowledge", "--model", str(self.out / model), "--kshapes", str(prompts),
+                    "--out", str(target), "--modes", modes, *common,
                 )  # fmt: skip
         if jobs:
             self.run_parallel(jobs)
@@ -266,10 +325,11 @@ class Chain:
             for n in (self.data / "heldout_entities.txt").read_text("utf-8").splitlines()
             if n.strip()
         ]
+        validation = _names(self.data / "validation_entities.txt")
         names = json.loads((self.data / "entities.json").read_text("utf-8"))
-        seen = [n for n in names if n not in set(held)]
+        seen = [n for n in names if n not in {*held, *validation}]
         lists = {}
-        for split, members in (("seen", seen), ("heldout", held)):
+        for split, members in (("seen", seen), ("heldout", held), ("val", validation)):
             path = self.results / f"{split}_entities.txt"
             path.write_text("".join(f"{n}\n" for n in members), "utf-8")
             lists[split] = path
@@ -296,7 +356,10 @@ class Chain:
             r = json.loads(path.read_text("utf-8"))
             t = r.get("text_to_image", {})
             rows.append(f"- {path.stem}: t→i R@1 {t.get('R@1')}, R@5 {t.get('R@5')}")
-        for path in sorted(self.results.glob("knowledge_unet-*/knowledge.md")):
+        recon = self.results / "vae_recon" / "kshapes_vae_recon.md"
+        if recon.exists():
+            rows += ["", "## VAE reconstructions", "", recon.read_text("utf-8")]
+        for path in sorted(self.results.glob("knowledge_*unet-*/knowledge.md")):
             rows += ["", f"## {path.parent.name}", "", path.read_text("utf-8")]
         (self.results / "results.md").write_text("\n".join(rows) + "\n", "utf-8")
         print("\n".join(rows), flush=True)
@@ -324,6 +387,34 @@ def assemble_builtin_model(unet_dir: Path, upscaler: Path, data: Path, out: Path
     save_model_folder(bundle, out)
 
 
+def record_kg_only_entities(data: Path, model: Path) -> Path:
+    """Write MODEL/knowledge/kg_only_entities.json: the entities of the model's KnowledgeStore that no
+    training caption names (found by linking every training caption with the store's own linker), and
+    kshapes' test held-out and validation lists — so a model folder says which entities only its KG knows."""
+    from rapiddiff.kg.linker import EntityLinker
+    from rapiddiff.kg.store import KnowledgeStore
+
+    store = KnowledgeStore.load(model / "knowledge" / "store")
+    linker = EntityLinker.from_store(store)
+    named: set[int] = set()
+    with (data / "train" / "metadata.jsonl").open(encoding="utf-8") as rows:
+        for line in rows:
+            named.update(span.entity_id for span in linker.link(json.loads(line)["text"]))
+    record = {
+        "never_named_in_training": [n for i, n in enumerate(store.entity_names) if i not in named],
+        "heldout": _names(data / "heldout_entities.txt"),
+        "validation": _names(data / "validation_entities.txt"),
+        "training_captions": str(data / "train" / "metadata.jsonl"),
+    }
+    path = model / "knowledge" / "kg_only_entities.json"
+    path.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n", "utf-8")
+    return path
+
+
+def _names(path: Path) -> list[str]:
+    return [n.strip() for n in path.read_text("utf-8").splitlines() if n.strip()] if path.exists() else []
+
+
 def _last_logged(run: Path, key: str) -> float | None:
     """The last value of a scalar in a run's TensorBoard logs (None if never logged)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -348,6 +439,142 @@ def _has_cuda() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+# ---- several seeds ------------------------------------------------------------------------------
+def run_seeds(args: argparse.Namespace) -> int:
+    """One chain process per seed, all at once (GPUs round-robin), then the mean ± sd summary."""
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise SystemExit(f"--seeds {args.seeds!r}: give distinct integers, e.g. 0,1,2")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = [g for g in args.gpus.split(",") if g] if args.gpus else _visible_gpus()
+    per_gpu = -(-len(seeds) // max(1, len(gpus)))  # chains sharing one GPU (and its share of the CPUs)
+    cores = os.cpu_count() or 4
+    # Each chain runs up to 4 training processes at once; keep their loader workers within the cores.
+    workers = args.workers or max(1, cores // (4 * per_gpu * max(1, len(gpus))) or 1)
+    procs = {}
+    for i, seed in enumerate(seeds):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out / f"seed-{seed}"),
+               "--seed", str(seed), "--config", str(args.config), "--part", args.part,
+               "--workers", str(workers), *(["--smoke"] if args.smoke else [])]  # fmt: skip
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        log = open(out / f"seed-{seed}.log", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+        print(f"[seeds] start seed {seed} (GPU {env.get('CUDA_VISIBLE_DEVICES', 'none')})", flush=True)
+        procs[seed] = (
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env),
+            log,
+            time.time(),
+        )
+    failed = []
+    for seed, (proc, log, start) in procs.items():
+        code = proc.wait()
+        log.close()
+        print(f"[seeds] seed {seed}: exit {code} after {time.time() - start:.0f} s", flush=True)
+        if code:
+            failed.append(seed)
+    summary = summarise_seeds(out, seeds)
+    print((out / "summary.md").read_text("utf-8"), flush=True)
+    if failed:
+        print(f"[seeds] failed: {failed}; see {out}/seed-S.log", flush=True)
+        return 1
+    return 0 if summary else 1
+
+
+def _visible_gpus() -> list[str]:
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def seed_measures(run: Path) -> dict[str, float]:
+    """Every number one seed's chain produced, flat: "knowledge heldout on both" → 46.2, ..."""
+    results = run / "results"
+    found: dict[str, float] = {}
+    for name in ("knowledge_unet-on", "knowledge_unet-off", "knowledge_robust_unet-on"):
+        path = results / name / "metrics" / "knowledge.json"
+        if not path.exists():
+            continue
+        label = {"knowledge_unet-on": "U-Net on", "knowledge_unet-off": "U-Net off",
+                 "knowledge_robust_unet-on": "U-Net on, robust prompts"}[name]  # fmt: skip
+        for row in json.loads(path.read_text("utf-8"))["table"]:
+            split = row["split"] + (f" {row['variant']}" if row.get("variant") else "")
+            # Per prompt variant only "both" (the robustness figure); colour and shape per split.
+            for key in ("both",) if row.get("variant") else ("colour", "shape", "both"):
+                found[f"{label} | {split} | knowledge {row['knowledge']} | {key} %"] = row[key]
+    on = {k: v for k, v in found.items() if k.startswith("U-Net on | heldout | ")}
+    embed, text = (
+        on.get("U-Net on | heldout | knowledge on | both %"),
+        on.get("U-Net on | heldout | knowledge text | both %"),
+    )
+    if embed is not None and text:
+        found["U-Net on | heldout | TransE (on) / text both, ratio %"] = 100.0 * embed / text
+    recon = results / "vae_recon" / "kshapes_vae_recon.json"
+    if recon.exists():
+        r = json.loads(recon.read_text("utf-8"))
+        for key in ("colour", "shape", "both"):
+            found[f"VAE reconstructions | {key} %"] = r["accuracy_recon"][key]
+        found["VAE reconstructions | PSNR object dB"] = r["psnr_object_db"]
+        found["VAE reconstructions | PSNR image dB"] = r["psnr_image_db"]
+        found["VAE | latent std × scaling_factor"] = r["scaled_latent_std"]
+    for path in sorted(results.glob("recall_*.json")):
+        t2i = json.loads(path.read_text("utf-8")).get("text_to_image", {})
+        if "R@1" in t2i:
+            found[f"CLIP recall | {path.stem.removeprefix('recall_')} | t→i R@1"] = t2i["R@1"]
+    kg = run / "kg" / "config.json"
+    if kg.exists():
+        mrr = json.loads(kg.read_text("utf-8")).get("metrics", {}).get("mrr")
+        if mrr is not None:
+            found["TransE | filtered MRR"] = mrr
+    return found
+
+
+def summarise_seeds(out: Path, seeds: list[int]) -> dict[str, Any]:
+    """OUT/summary.{json,md}: mean ± sd (sample sd) of every measure over the seeds that have it,
+    and the seed to ship, chosen on the validation KG-only entities (never the test held-out ones)."""
+    import statistics
+
+    per_seed = {seed: seed_measures(out / f"seed-{seed}") for seed in seeds}
+    names = sorted({k for m in per_seed.values() for k in m})
+    table = {}
+    for name in names:
+        values = {s: m[name] for s, m in per_seed.items() if name in m}
+        vals = list(values.values())
+        table[name] = {
+            "mean": statistics.fmean(vals),
+            "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+            "n": len(vals),
+            "values": values,
+        }
+    select = "U-Net on | val | knowledge on | both %"
+    scored = {s: m[select] for s, m in per_seed.items() if select in m}
+    best = max(scored, key=lambda s: (scored[s], -s)) if scored else None
+    summary = {
+        "seeds": seeds,
+        "measures": table,
+        "selection": {"by": select, "scores": scored, "best_seed": best},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, ensure_ascii=False, indent=1), "utf-8")
+    lines = [f"# kshapes chain, seeds {', '.join(map(str, seeds))}: mean ± sd over seeds", "",
+             "| measure | mean ± sd | n | per seed |", "|---|---:|---:|---|"]  # fmt: skip
+    for name, t in table.items():
+        sd = f" ± {t['sd']:.2f}" if t["sd"] is not None else ""
+        per = ", ".join(f"{s}: {v:.2f}" for s, v in t["values"].items())
+        lines.append(f"| {name} | {t['mean']:.2f}{sd} | {t['n']} | {per} |")
+    lines += [
+        "",
+        f"Seed to ship (best on the validation KG-only entities, `{select}`): {best} (scores {scored}).",
+    ]
+    (out / "summary.md").write_text("\n".join(lines) + "\n", "utf-8")
+    return summary
 
 
 if __name__ == "__main__":

@@ -29,7 +29,13 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 SPLITS = ("seen", "heldout")
-MODES = {"on": True, "off": False}
+"""The splits evaluated by default: seen entities and the test held-out (KG-only) ones."""
+ALL_SPLITS = (*SPLITS, "val")
+"""... and "val": the validation KG-only entities (select checkpoints on these, never on "heldout")."""
+MODES = {"on": True, "off": False, "embed": True, "text": True, "both": True}
+"""on: knowledge in the model's own mode (embed unless its folder says otherwise); off: the base
+encoder; embed / text / both: that knowledge mode (text: the KG facts spelled into the prompt, the
+honest ceiling for the vector path; :mod:`rapiddiff.models.expansion`)."""
 REQUIRED = ("text", "entity", "colour", "shape", "split")
 
 
@@ -50,9 +56,9 @@ def read_knowledge_prompts(kshapes: str | Path, splits: Sequence[str] = SPLITS) 
             raise ValueError(
                 f"{path}: record {number} lacks {', '.join(missing)} (needs {', '.join(REQUIRED)})"
             )
-        if row["split"] not in SPLITS:
+        if row["split"] not in ALL_SPLITS:
             raise ValueError(
-                f"{path}: record {number}: split {row['split']!r} is not one of {', '.join(SPLITS)}"
+                f"{path}: record {number}: split {row['split']!r} is not one of {', '.join(ALL_SPLITS)}"
             )
     rows = [r for r in rows if r["split"] in splits]
     if not rows:
@@ -123,30 +129,40 @@ def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (round(100 * max(0.0, centre - half), 2), round(100 * min(1.0, centre + half), 2))
 
 
-def accuracy_table(records_by_mode: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rows (split, knowledge, n, colour, shape, both) in percent, plus per-entity counts."""
+def accuracy_table(
+    records_by_mode: dict[str, list[dict[str, Any]]], *, by_variant: bool = False
+) -> list[dict[str, Any]]:
+    """Rows (split, knowledge, n, colour, shape, both) in percent, plus per-entity counts; with
+    ``by_variant``, one row per prompt variant too (prompts_robust.jsonl's "variant" field)."""
     rows = []
-    for split in SPLITS:
+    for split in ALL_SPLITS:
         for mode, records in records_by_mode.items():
-            subset = [r for r in records if r["split"] == split]
-            if not subset:
-                continue
-            n = len(subset)
-            entities = {r["entity"] for r in subset}
-            rows.append(
-                {
-                    "split": split,
-                    "knowledge": mode,
-                    "images": n,
-                    "entities": len(entities),
-                    "colour": 100.0 * sum(r["colour_ok"] for r in subset) / n,
-                    "shape": 100.0 * sum(r["shape_ok"] for r in subset) / n,
-                    "both": 100.0 * sum(r["both_ok"] for r in subset) / n,
-                    "both_ci95": list(wilson_interval(sum(r["both_ok"] for r in subset), n)),  # JSON-shaped
-                    "no_object": sum(r["detected_colour"] is None for r in subset),
-                }
-            )
+            in_split = [r for r in records if r["split"] == split]
+            groups: list[tuple[str | None, list[dict[str, Any]]]] = [(None, in_split)]
+            if by_variant:
+                variants = sorted({r.get("variant") or "" for r in in_split})
+                groups += [(v, [r for r in in_split if (r.get("variant") or "") == v]) for v in variants]
+            for variant, subset in groups:
+                if subset:
+                    rows.append(_accuracy_row(subset, split, mode, variant))
     return rows
+
+
+def _accuracy_row(subset: list[dict[str, Any]], split: str, mode: str, variant: str | None) -> dict[str, Any]:
+    n = len(subset)
+    entities = {r["entity"] for r in subset}
+    return {
+        "split": split,
+        **({"variant": variant} if variant is not None else {}),
+        "knowledge": mode,
+        "images": n,
+        "entities": len(entities),
+        "colour": 100.0 * sum(r["colour_ok"] for r in subset) / n,
+        "shape": 100.0 * sum(r["shape_ok"] for r in subset) / n,
+        "both": 100.0 * sum(r["both_ok"] for r in subset) / n,
+        "both_ci95": list(wilson_interval(sum(r["both_ok"] for r in subset), n)),  # JSON-shaped
+        "no_object": sum(r["detected_colour"] is None for r in subset),
+    }
 
 
 def per_entity(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -172,8 +188,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], chance: dict[str, float] | No
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        split = f"{r['split']}, {r['variant']}" if r.get("variant") else r["split"]
         lines.append(
-            f"| {r['split']} ({r['entities']}) | {r['knowledge']} | {r['images']} | "
+            f"| {split} ({r['entities']}) | {r['knowledge']} | {r['images']} | "
             f"{r['colour']:.1f} | {r['shape']:.1f} | {r['both']:.1f} | "
             f"{r['both_ci95'][0]:.1f}–{r['both_ci95'][1]:.1f} |"
         )
@@ -206,11 +223,12 @@ def evaluate_knowledge(
     for mode in modes:
         run_dir = out / f"knowledge_{mode}"
         mode_settings = replace(settings, knowledge=MODES[mode])
-        timings[mode] = generate(
-            pipe, jobs, run_dir, mode_settings, batch_size=batch_size, overwrite=overwrite, info=info
-        )
+        with _knowledge_mode(pipe, mode):
+            timings[mode] = generate(
+                pipe, jobs, run_dir, mode_settings, batch_size=batch_size, overwrite=overwrite, info=info
+            )
         records[mode] = score_run(run_dir, detect, workers=workers)
-    rows = accuracy_table(records)
+    rows = accuracy_table(records, by_variant=any(p.get("variant") for p in prompts))
     has_store = getattr(getattr(pipe, "text_encoder", None), "store", None) is not None
     warnings = (
         []
@@ -221,7 +239,11 @@ def evaluate_knowledge(
     )
     from rapiddiff.data.kshapes.palette import COLOURS, SHAPES
 
-    headline = next((r for r in rows if r["split"] == "heldout" and r["knowledge"] == "on"), None)
+    # The headline: held-out entities, all prompts, the first mode asked for that uses knowledge.
+    first = next((m for m in modes if m != "off"), None)
+    headline = next(
+        (r for r in rows if r["split"] == "heldout" and r["knowledge"] == first and "variant" not in r), None
+    )
     record = metric_record(
         "knowledge",
         "kshapes attribute accuracy (both, held-out, knowledge on) %",
@@ -250,6 +272,21 @@ def evaluate_knowledge(
     return record
 
 
+def _knowledge_mode(pipe: Any, mode: str) -> Any:
+    """The text encoder in ``mode`` ("embed", "text", "both") for a block; "on"/"off" leave it as is
+    (generation switches knowledge on or off itself)."""
+    import contextlib
+
+    encoder = getattr(pipe, "text_encoder", None)
+    if mode in ("on", "off"):
+        return contextlib.nullcontext()
+    if not hasattr(encoder, "knowledge_as"):
+        raise ValueError(
+            f"knowledge mode {mode!r} needs a rapiddiff KnowledgeTextEncoder; this model has none"
+        )
+    return encoder.knowledge_as(mode)
+
+
 # --- CLI ----------------------------------------------------------------------------------------
 
 
@@ -268,9 +305,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, type=Path, help="run folder (images, detections, table)")
     parser.add_argument(
-        "--splits", default="seen,heldout", help="which entity splits (default: seen,heldout)"
+        "--splits",
+        default="seen,heldout",
+        help="which entity splits: seen, heldout (test KG-only), val (validation KG-only; select "
+        "checkpoints on it) (default: seen,heldout)",
     )
-    parser.add_argument("--modes", default="on,off", help="knowledge modes to run (default: on,off)")
+    parser.add_argument(
+        "--modes",
+        default="on,off",
+        help="knowledge modes to run: on (the model's own), off, embed, text (KG facts spelled into the "
+        "prompt), both (default: on,off)",
+    )
     parser.add_argument("--limit", type=int, help="only the first N prompts of each split (quick checks)")
     parser.add_argument(
         "--workers",
@@ -287,11 +332,11 @@ def run(args: argparse.Namespace) -> int:
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for s in splits:
-        if s not in SPLITS:
-            raise ValueError(f"--splits: unknown split {s!r}; choose from {', '.join(SPLITS)}")
+        if s not in ALL_SPLITS:
+            raise ValueError(f"--splits: unknown split {s!r}; choose from {', '.join(ALL_SPLITS)}")
     for m in modes:
         if m not in MODES:
-            raise ValueError(f"--modes: unknown mode {m!r}; choose from on, off")
+            raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
     prompts = read_knowledge_prompts(args.kshapes, splits)
     if args.limit is not None:
         by_split: dict[str, list[dict[str, Any]]] = defaultdict(list)

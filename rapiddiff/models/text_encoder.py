@@ -7,6 +7,11 @@ entity span, ``gate * proj(knowledge(entity))`` is added to that layer's input h
 (see :mod:`rapiddiff.models.fusion`). The gates start at zero, and ``knowledge=False`` skips
 the hooks' work entirely, so both give the base encoder's output exactly.
 
+``knowledge_mode`` says how knowledge enters when it is on: "embed" (the fused vectors, above),
+"text" (each entity's facts spelled into the prompt, :mod:`rapiddiff.models.expansion`; the tower
+then runs as the base encoder on the expanded prompt) or "both". ``knowledge_as(mode)`` switches
+on/off and mode for a block and restores them.
+
 Folder layout written by :meth:`KnowledgeTextEncoder.save_pretrained` (the diffusers one, plus
 ``knowledge/``)::
 
@@ -17,15 +22,17 @@ Folder layout written by :meth:`KnowledgeTextEncoder.save_pretrained` (the diffu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
 from rapiddiff.utils.logging import get_logger
@@ -105,6 +112,10 @@ class KnowledgeTextEncoder(nn.Module):
             entity mention by [MASK], so an entity is known only through the KG. Set it for an
             encoder trained that way (CLIP stage ``entity_token_dropout: 1.0``): inference then sees
             what training saw, and seen and held-out entities go through the same path.
+        knowledge_mode: "embed" (fused TransE vectors), "text" (facts spelled into the prompt)
+            or "both"; used while ``knowledge`` is on.
+        expansion_relations: relations whose facts "text"/"both" spell, in order; default
+            :data:`rapiddiff.models.expansion.DEFAULT_RELATIONS` where the store has them.
     """
 
     def __init__(
@@ -121,6 +132,8 @@ class KnowledgeTextEncoder(nn.Module):
         linker: Any = None,
         fusion: KnowledgeFusion | None = None,
         mask_entity_mentions: bool = False,
+        knowledge_mode: str = "embed",
+        expansion_relations: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.text_model = text_model
@@ -146,8 +159,11 @@ class KnowledgeTextEncoder(nn.Module):
         self.max_relations = max_relations
         self.mask_entity_mentions = mask_entity_mentions
         self.knowledge = True
+        self.knowledge_mode = knowledge_mode
+        self.expansion_relations = list(expansion_relations) if expansion_relations is not None else None
         self.store = None
         self.linker = None
+        self.expander: PromptExpander | None = None
         self.fusion: KnowledgeFusion | None = None
         self._deltas: dict[int, torch.Tensor] | None = None  # set only while forward runs
         for i in self.fusion_layers:
@@ -179,6 +195,7 @@ class KnowledgeTextEncoder(nn.Module):
 
             linker = EntityLinker.from_store(store)
         self.store, self.linker, self.fusion = store, linker, fusion
+        self.expander = PromptExpander(store, linker, self.expansion_relations)
         if not getattr(self.tokenizer, "is_fast", False):
             log.warning(
                 "tokenizer %s is not a fast tokenizer: no character offsets, so entities cannot be "
@@ -199,8 +216,50 @@ class KnowledgeTextEncoder(nn.Module):
         self._mask_entity_mentions = bool(value)
 
     @property
+    def knowledge_mode(self) -> str:
+        return self._knowledge_mode
+
+    @knowledge_mode.setter
+    def knowledge_mode(self, mode: str) -> None:
+        self._knowledge_mode = check_mode(mode)
+
+    @property
     def has_knowledge(self) -> bool:
-        return self.knowledge and self.fusion is not None
+        """Are the fused vectors used (knowledge on, a fusion module, mode "embed" or "both")?"""
+        return self.knowledge and self.fusion is not None and self._knowledge_mode != "text"
+
+    @property
+    def expands_prompts(self) -> bool:
+        """Are the facts spelled into prompts (knowledge on, a store, mode "text" or "both")?"""
+        return self.knowledge and self.expander is not None and self._knowledge_mode != "embed"
+
+    def set_knowledge(self, mode: bool | str) -> None:
+        """True / False: knowledge on / off (mode unchanged); "off"; or a mode ("embed", "text",
+        "both"), which also switches knowledge on. What ``--knowledge embed|text|both|off`` sets."""
+        if isinstance(mode, bool):
+            self.knowledge = mode
+        elif mode == "off":
+            self.knowledge = False
+        else:
+            self.knowledge_mode = mode
+            self.knowledge = True
+
+    @contextlib.contextmanager
+    def knowledge_as(self, mode: bool | str | None) -> Iterator[KnowledgeTextEncoder]:
+        """``with encoder.knowledge_as("text"): ...`` — :meth:`set_knowledge` for the block, then
+        the previous on/off and mode again (None: leave both as they are)."""
+        previous = (self.knowledge, self._knowledge_mode)
+        if mode is not None:
+            self.set_knowledge(mode)
+        try:
+            yield self
+        finally:
+            self.knowledge, self._knowledge_mode = previous
+
+    def expand(self, prompts: Sequence[str]) -> list[str]:
+        """The prompts as the tower will read them: facts spelled in when :attr:`expands_prompts`."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return self.expander(prompts) if self.expands_prompts and self.expander is not None else prompts
 
     def _add_knowledge(
         self, index: int, module: nn.Module, args: tuple, kwargs: dict
@@ -236,9 +295,7 @@ class KnowledgeTextEncoder(nn.Module):
     # ------------------------------------------------------------------ text → tensors
     def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Prompts → input_ids, attention_mask [B, max_length] and token_entity_ids (-1 = none)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self.expand(prompts)  # unchanged unless knowledge_mode is "text" or "both"
         fast = bool(getattr(self.tokenizer, "is_fast", False))
         enc = self.tokenizer(
             prompts,
@@ -322,6 +379,8 @@ class KnowledgeTextEncoder(nn.Module):
             "max_relations": self.max_relations,
             "use_attention_mask": self.use_attention_mask,
             "mask_entity_mentions": self.mask_entity_mentions,
+            "knowledge_mode": self.knowledge_mode,
+            "expansion_relations": self.expansion_relations,
         }
 
     def save_pretrained(self, model_dir: str | Path) -> None:

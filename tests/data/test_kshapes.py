@@ -21,9 +21,17 @@ from rapiddiff.data.kshapes import (
     KShapesConfig,
     ShapeSpec,
     choose_heldout,
+    choose_validation,
     detect_attributes,
     generate_kshapes,
     render,
+)
+from rapiddiff.data.kshapes.captions import (
+    ATTRIBUTE_TEMPLATES,
+    DISTRACTOR_TEMPLATES,
+    ENTITY_TEMPLATES,
+    PROMPT_TEMPLATES,
+    ROBUST_TEMPLATES,
 )
 from rapiddiff.data.kshapes.palette import COLOUR_LAB, compatible_backgrounds
 
@@ -159,9 +167,88 @@ def test_kg_files_and_prompts(small_set):
     prompts = _read_jsonl(small_set / "prompts.jsonl")
     heldout = set((small_set / "heldout_entities.txt").read_text(encoding="utf-8").split())
     assert {p["entity"] for p in prompts} == set(entities)
+    validation = set((small_set / "validation_entities.txt").read_text(encoding="utf-8").split())
     for p in prompts:
-        assert p["split"] == ("heldout" if p["entity"] in heldout else "seen")
+        assert p["split"] == (
+            "heldout" if p["entity"] in heldout else "val" if p["entity"] in validation else "seen"
+        )
         assert p["entity"] in p["text"] and p["colour"] == entities[p["entity"]]["colour"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+def test_validation_entities_are_disjoint_from_heldout_and_keep_attributes_seen(seed):
+    heldout = choose_heldout(15, seed)
+    validation = choose_validation(8, seed, heldout)
+    assert len(validation) == 8 and not set(validation) & set(heldout)
+    seen = [e for e in ENTITIES if e.name not in {*heldout, *validation}]
+    for colour in COLOURS:
+        assert sum(e.colour == colour for e in seen) >= 2, colour
+    for shape in SHAPES:
+        assert sum(e.shape == shape for e in seen) >= 2, shape
+    assert choose_heldout(15, seed) == heldout  # adding a validation set leaves the test set as it was
+
+
+def test_validation_entities_are_in_no_training_caption_and_recorded(small_set):
+    validation = (small_set / "validation_entities.txt").read_text(encoding="utf-8").split()
+    heldout = (small_set / "heldout_entities.txt").read_text(encoding="utf-8").split()
+    entities = json.loads((small_set / "entities.json").read_text(encoding="utf-8"))
+    assert len(validation) == 8 and all(entities[n]["validation"] for n in validation)
+    assert json.loads((small_set / "kg_only_entities.json").read_text(encoding="utf-8")) == {
+        "heldout": heldout,
+        "validation": validation,
+        "seed": 5,
+    }
+    forbidden = [s for n in validation for s in [n, *entities[n]["aliases"]]]
+    for row in _read_jsonl(small_set / "train" / "metadata.jsonl"):
+        assert not any(s in row["text"] for s in forbidden), row
+
+
+def _literal_parts(template: str) -> list[str]:
+    """The wording of a template between its {placeholders}."""
+    import re
+
+    return [part for part in re.split(r"\{\w+\}", template) if part]
+
+
+def test_no_robust_template_wording_is_in_any_training_template():
+    """The robustness set must be phrasing training never showed: every robust template has a
+    piece of wording (between placeholders) that no training caption template contains, and no
+    robust template is a training template, with {e} standing for "{c}的{s}" or "{c}{s}" too."""
+    training = [*ATTRIBUTE_TEMPLATES, *ENTITY_TEMPLATES]
+    as_entity = {t.replace("{c}的{s}", "{e}").replace("{c}{s}", "{e}") for t in training}
+    for template in (*ROBUST_TEMPLATES, *DISTRACTOR_TEMPLATES):
+        assert template not in as_entity, template
+        new = [part for part in _literal_parts(template) if not any(part in t for t in training)]
+        assert new, f"{template!r}: every piece of its wording is in a training template"
+    # The evaluation-on-training-templates prompts do use training wording (they are the baseline).
+    assert set(PROMPT_TEMPLATES) <= set(ENTITY_TEMPLATES)
+
+
+def test_robust_prompts_cover_every_variant_and_are_no_training_caption(small_set):
+    from opencc import OpenCC
+
+    rows = _read_jsonl(small_set / "prompts_robust.jsonl")
+    entities = json.loads((small_set / "entities.json").read_text(encoding="utf-8"))
+    train_texts = {r["text"] for r in _read_jsonl(small_set / "train" / "metadata.jsonl")}
+    assert {r["variant"] for r in rows} == {"sentence", "alias", "traditional", "distractor"}
+    assert {r["split"] for r in rows} == {"seen", "heldout", "val"}
+    to_simplified = OpenCC("t2s")
+    for r in rows:
+        info = entities[r["entity"]]
+        assert (r["colour"], r["shape"]) == (info["colour"], info["shape"])
+        assert r["text"] not in train_texts
+        text = to_simplified.convert(r["text"]) if r["variant"] == "traditional" else r["text"]
+        assert r["background"] in text
+        if r["variant"] == "alias":
+            assert any(a in text for a in info["aliases"])
+        else:
+            assert r["entity"] in text
+        if r["variant"] == "traditional":
+            assert r["text"] != text  # some character did change
+        if r["variant"] == "distractor":
+            d = entities[r["distractor"]]
+            assert r["distractor"] in text and d["colour"] != info["colour"] and d["shape"] != info["shape"]
+            assert not d["heldout"] and not d["validation"]
 
 
 def _fresh_specs(n: int, seed: int, layout: str = "row3") -> list[tuple[ShapeSpec, str]]:

@@ -205,3 +205,63 @@ def test_wilson_interval():
     assert wilson_interval(0, 4) == (0.0, 48.99)
     assert wilson_interval(50, 100) == (40.38, 59.62)
     assert wilson_interval(10, 10)[1] == 100.0
+
+
+class ModeEncoder:
+    """Stands in for KnowledgeTextEncoder's mode switch (set for a block, then restored)."""
+
+    def __init__(self):
+        self.store, self.knowledge_mode, self.knowledge = object(), "embed", True
+
+    def knowledge_as(self, mode):
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            previous, self.knowledge_mode = self.knowledge_mode, mode
+            try:
+                yield self
+            finally:
+                self.knowledge_mode = previous
+
+        return block()
+
+
+def test_knowledge_modes_validation_split_and_variants_are_tabulated(tmp_path):
+    """--modes embed,text switch the encoder's mode for their images; split "val" and the robust
+    set's "variant" field get rows of their own."""
+    prompts = _prompts(n_seen=1, n_heldout=2)
+    prompts[1]["split"] = "val"
+    for k, p in enumerate(prompts):
+        p["variant"] = "sentence" if k % 2 == 0 else "alias"
+    pipe = OraclePipe(prompts)
+    pipe.text_encoder = ModeEncoder()
+    modes_seen = []
+
+    def call(prompts_, *, seed, knowledge=True, **kwargs):
+        mode = pipe.text_encoder.knowledge_mode
+        modes_seen.append(mode)
+        # Only spelled-out facts reach this "model": embed draws KG-only entities as a wrong shape.
+        return OraclePipe.__call__(pipe, prompts_, seed=seed, knowledge=knowledge and mode == "text")
+
+    class Wrapper:
+        text_encoder = pipe.text_encoder
+
+        def __call__(self, *a, **kw):
+            return call(*a, **kw)
+
+    record = evaluate_knowledge(
+        Wrapper(), prompts, tmp_path / "run", SampleSettings(model="m"), modes=("embed", "text")
+    )
+    assert pipe.text_encoder.knowledge_mode == "embed" and set(modes_seen) == {"embed", "text"}
+    rows = {(r["split"], r.get("variant"), r["knowledge"]): r for r in record["table"]}
+    assert {s for s, _, _ in rows} == {"seen", "val", "heldout"}
+    assert (
+        rows[("heldout", None, "text")]["both"] == 100.0 and rows[("heldout", None, "embed")]["shape"] == 0.0
+    )
+    assert (
+        rows[("val", "alias", "embed")]["images"] == 1 and rows[("seen", "sentence", "text")]["both"] == 100.0
+    )
+    assert (
+        record["value"] == rows[("heldout", None, "embed")]["both"]
+    )  # the headline: first mode's overall row

@@ -227,3 +227,54 @@ def test_mask_entity_mentions_needs_a_mask_token(tmp_path, store):
     clip_folder = write_tiny_sd_folder(tmp_path / "sd", text="clip")  # CLIPTokenizer: no [MASK]
     with pytest.raises(ValueError, match="has no \\[MASK\\] token"):
         KnowledgeTextEncoder.from_pretrained(clip_folder, store=store, mask_entity_mentions=True)
+
+
+def test_text_mode_equals_the_base_encoder_on_the_expanded_prompt(taiyi_dir, store):
+    """knowledge_mode "text": the facts are spelled into the prompt and the tower runs as the base
+    encoder on it (the fused vectors unused, even with open gates); "both": the vectors too."""
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=32).eval()
+    with torch.no_grad():
+        encoder.fusion.gates.fill_(1.0)  # so the embed path would change the states
+    expanded = "蓝色背景上有一个红色的圆形，番茄和黄色的圆形"  # 黄色/圆形 have no 颜色/形状 facts
+    assert encoder.expand([PROMPT]) == [PROMPT]  # default mode "embed": prompts as given
+    with torch.no_grad():
+        embed_on_expanded = encoder.encode([expanded])
+        with encoder.knowledge_as("text"):
+            assert encoder.expand([PROMPT, "一个柠檬"]) == [expanded, "一个黄色的圆形，柠檬"]
+            text_mode = encoder.encode([PROMPT])
+        with encoder.knowledge_as("off"):
+            base_on_expanded = encoder.encode([expanded])
+            assert encoder.expand([PROMPT]) == [PROMPT]  # off: no expansion either
+        with encoder.knowledge_as("both"):
+            both = encoder.encode([PROMPT])
+    torch.testing.assert_close(text_mode, base_on_expanded, rtol=0, atol=0)
+    torch.testing.assert_close(both, embed_on_expanded, rtol=0, atol=0)
+    assert not torch.allclose(both, text_mode)
+    assert (encoder.knowledge, encoder.knowledge_mode) == (True, "embed")  # restored after each block
+
+
+def test_knowledge_mode_is_checked_saved_and_loaded(tmp_path, taiyi_dir, store):
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24)
+    with pytest.raises(ValueError, match="choose one of embed, text, both"):
+        encoder.set_knowledge("vectors")
+    with pytest.raises(ValueError, match=r"not relations of the KnowledgeStore \(it has: 颜色, 形状\)"):
+        KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, expansion_relations=["材质"])
+    encoder.set_knowledge(False)
+    encoder.set_knowledge("both")  # a mode switches knowledge on
+    assert (encoder.knowledge, encoder.knowledge_mode, encoder.has_knowledge) == (True, "both", True)
+    encoder.set_knowledge("text")
+    assert (encoder.has_knowledge, encoder.expands_prompts) == (False, True)
+    only_shape = KnowledgeTextEncoder.from_pretrained(
+        taiyi_dir, store=store, max_length=24, knowledge_mode="text", expansion_relations=["形状"]
+    )
+    assert only_shape.expand(["一个番茄"]) == ["一个圆形，番茄"]
+    only_shape.save_pretrained(tmp_path / "m")
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m")
+    assert (loaded.knowledge_mode, loaded.expansion_relations) == ("text", ["形状"])
+    assert loaded.expand(["一个番茄"]) == ["一个圆形，番茄"]
+    assert KnowledgeTextEncoder.from_pretrained(tmp_path / "m", knowledge=False).expand(["一个番茄"]) == [
+        "一个番茄"
+    ]
+    # Without a store there is nothing to spell: every mode gives the prompt as it is.
+    plain = KnowledgeTextEncoder.from_pretrained(taiyi_dir, max_length=24, knowledge_mode="text")
+    assert plain.expand(["一个番茄"]) == ["一个番茄"]

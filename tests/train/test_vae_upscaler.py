@@ -44,6 +44,44 @@ def test_vae_runs_with_ssim_and_gan_and_exports_an_autoencoderkl(tmp_path: Path)
     assert list(root.rglob("events.out.tfevents.*"))  # TensorBoard: losses, PSNR, sample grids
 
 
+def test_exported_scaling_factor_is_one_over_the_training_latents_std(tmp_path: Path) -> None:
+    """LDM recipe: the exported factor makes the training data's latents unit-std; a VAE folder
+    being fine-tuned keeps its factor (a U-Net may depend on it); calibrate rewrites a folder's."""
+    import json
+
+    from diffusers import AutoencoderKL
+
+    from rapiddiff.train.data import open_image_text_dataset
+
+    data = write_imagefolder(tmp_path / "data", n=6)
+    root = tmp_path / "run"
+    vae_stage.cli_main(vae_args(data, root, 2))
+    vae = AutoencoderKL.from_pretrained(root / "model")
+    dataset = open_image_text_dataset(data, 16)
+    # Independent measurement: every image, several posterior draws, no shared code path.
+    with torch.no_grad():
+        images = torch.stack([dataset[i]["pixel_values"] for i in range(len(dataset))])
+        dist = vae.encode(images).latent_dist
+        z = torch.cat([dist.sample(generator=torch.Generator().manual_seed(k)) for k in range(8)])
+    factor = vae.config.scaling_factor
+    assert factor != 0.18215
+    assert abs(float((z * factor).std()) - 1.0) < 0.05, (factor, float(z.std()))
+    assert json.loads((root / "model/config.json").read_text())["scaling_factor"] == pytest.approx(factor)
+
+    # Fine-tuning a folder ("auto") keeps its factor.
+    fixed = tmp_path / "fixed"
+    vae.register_to_config(scaling_factor=0.5)
+    vae.save_pretrained(fixed)
+    vae_stage.cli_main(vae_args(data, tmp_path / "run2", 1, f"--model.vae={fixed}"))
+    assert AutoencoderKL.from_pretrained(tmp_path / "run2/model").config.scaling_factor == 0.5
+
+    # calibrate: --dry-run changes nothing; without it config.json gets the measured factor.
+    vae_stage.cli_main(["calibrate", "--vae", str(fixed), "--data", str(data), "--dry-run"])
+    assert AutoencoderKL.from_pretrained(fixed).config.scaling_factor == 0.5
+    vae_stage.cli_main(["calibrate", "--vae", str(fixed), "--data", str(data)])
+    assert abs(AutoencoderKL.from_pretrained(fixed).config.scaling_factor - factor) < 0.05 * factor
+
+
 def test_vae_reconstruction_improves_when_overfitting() -> None:
     module = vae_stage.VAETraining(vae="tiny")
     images = torch.rand(2, 3, 16, 16) * 2 - 1

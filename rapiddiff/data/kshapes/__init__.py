@@ -6,10 +6,17 @@
 """
 
 from rapiddiff.data.kshapes.detect import detect_attributes
-from rapiddiff.data.kshapes.entities import ENTITIES, Entity, choose_heldout, kg_aliases, kg_triples
+from rapiddiff.data.kshapes.entities import (
+    ENTITIES,
+    Entity,
+    choose_heldout,
+    choose_validation,
+    kg_aliases,
+    kg_triples,
+)
 from rapiddiff.data.kshapes.generate import SMALL_PRESET, KShapesConfig, generate_kshapes
 from rapiddiff.data.kshapes.palette import BACKGROUNDS, COLOURS, LAYOUTS, SHAPES
-from rapiddiff.data.kshapes.render import ShapeSpec, render
+from rapiddiff.data.kshapes.render import ShapeSpec, render, render_mask
 
 __all__ = [
     "BACKGROUNDS",
@@ -22,9 +29,11 @@ __all__ = [
     "KShapesConfig",
     "ShapeSpec",
     "choose_heldout",
+    "choose_validation",
     "detect_attributes",
     "generate_kshapes",
     "kg_aliases",
     "kg_triples",
     "render",
+    "render_mask",
 ]

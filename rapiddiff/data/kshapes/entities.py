@@ -107,16 +107,19 @@ ENTITIES: tuple[Entity, ...] = (
 ENTITY_BY_NAME: dict[str, Entity] = {e.name: e for e in ENTITIES}
 
 
-def choose_heldout(n: int, seed: int, entities: tuple[Entity, ...] = ENTITIES) -> list[str]:
+def choose_heldout(
+    n: int, seed: int, entities: tuple[Entity, ...] = ENTITIES, *, stream: int = 7
+) -> list[str]:
     """``n`` entities to keep out of every training caption, spread over the colours.
 
     Round-robin over colours (in a seed-shuffled order), skipping an entity whose removal would
     leave its colour or its shape with fewer than 2 seen entities: every attribute must stay
-    learnable from seen entities, or no model could be expected to transfer it.
+    learnable from seen entities, or no model could be expected to transfer it. ``stream``
+    separates independent draws from one seed (7: the test held-out set).
     """
     if not 0 <= n <= len(entities) // 2:
         raise ValueError(f"heldout must be between 0 and {len(entities) // 2}, got {n}")
-    rng = np.random.default_rng([seed, 7])
+    rng = np.random.default_rng([seed, stream])
     by_colour: dict[str, list[Entity]] = {}
     for e in entities:
         by_colour.setdefault(e.colour, []).append(e)
@@ -140,6 +143,14 @@ def choose_heldout(n: int, seed: int, entities: tuple[Entity, ...] = ENTITIES) -
     if len(chosen) < n:
         raise ValueError(f"cannot hold out {n} entities and keep every colour and shape seen twice")
     return sorted(chosen, key=[e.name for e in entities].index)
+
+
+def choose_validation(n: int, seed: int, heldout: list[str] | set[str]) -> list[str]:
+    """``n`` more KG-only entities, disjoint from the test ``heldout`` ones: the validation set that
+    checkpoints and recipes are selected on (never the test set). Chosen by the same rule among the
+    entities left after ``heldout``, so every colour and shape keeps ≥ 2 seen entities after both."""
+    rest = tuple(e for e in ENTITIES if e.name not in set(heldout))
+    return choose_heldout(n, seed, rest, stream=8)
 
 
 def kg_triples(entities: tuple[Entity, ...] = ENTITIES) -> list[tuple[str, str, str]]:

@@ -18,8 +18,21 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rapiddiff.data.kshapes.captions import ATTRIBUTE_TEMPLATES, ENTITY_TEMPLATES, PROMPT_TEMPLATES
-from rapiddiff.data.kshapes.entities import ENTITIES, Entity, choose_heldout, kg_aliases, kg_triples
+from rapiddiff.data.kshapes.captions import (
+    ATTRIBUTE_TEMPLATES,
+    DISTRACTOR_TEMPLATES,
+    ENTITY_TEMPLATES,
+    PROMPT_TEMPLATES,
+    ROBUST_TEMPLATES,
+)
+from rapiddiff.data.kshapes.entities import (
+    ENTITIES,
+    Entity,
+    choose_heldout,
+    choose_validation,
+    kg_aliases,
+    kg_triples,
+)
 from rapiddiff.data.kshapes.palette import COLOURS, LAYOUTS, SHAPES, compatible_backgrounds
 from rapiddiff.data.kshapes.render import ShapeSpec, render
 from rapiddiff.utils.io import atomic_write_text
@@ -37,7 +50,10 @@ OUTPUTS = (
     "kg",
     "entities.json",
     "heldout_entities.txt",
+    "validation_entities.txt",
+    "kg_only_entities.json",
     "prompts.jsonl",
+    "prompts_robust.jsonl",
     "kshapes.yaml",
 )
 
@@ -61,7 +77,10 @@ class KShapesConfig:
     test: int = 1000
     """Images in test/."""
     heldout: int = 15
-    """Entities that appear in the KG but in no training caption."""
+    """Test entities that appear in the KG but in no training caption."""
+    validation_entities: int = 8
+    """More KG-only entities (in no training caption), disjoint from the held-out ones: select
+    checkpoints and recipes on these, never on the test held-out entities."""
     entity_fraction: float = 0.5
     """Share of images whose caption names an entity (the rest name colour and shape)."""
     alias_fraction: float = 0.2
@@ -136,12 +155,16 @@ def _spec(rng: np.random.Generator, shape: str, colour: str, layout: str) -> tup
     return spec, position
 
 
-def sample_split(cfg: KShapesConfig, split: str, heldout: set[str]) -> list[Item]:
-    """The items of one split. Training captions never name a held-out entity; val and test
-    draw entity captions from every entity (held-out ones are what evaluation is about)."""
+def sample_split(
+    cfg: KShapesConfig, split: str, heldout: set[str], kg_only: set[str] | None = None
+) -> list[Item]:
+    """The items of one split. Training captions never name a KG-only entity (``kg_only``: the
+    held-out and the validation ones; default ``heldout``); val and test draw entity captions from
+    every entity (KG-only ones are what evaluation is about)."""
     n = getattr(cfg, split)
+    kg_only = heldout if kg_only is None else kg_only
     rng = np.random.default_rng([cfg.seed, SPLITS.index(split) + 1])
-    pool: list[Entity] = [e for e in ENTITIES if split != "train" or e.name not in heldout]
+    pool: list[Entity] = [e for e in ENTITIES if split != "train" or e.name not in kg_only]
     colours, items = list(COLOURS), []
     for i in range(n):
         if pool and rng.random() < cfg.entity_fraction:
@@ -161,7 +184,15 @@ def sample_split(cfg: KShapesConfig, split: str, heldout: set[str]) -> list[Item
     return items
 
 
-def evaluation_prompts(cfg: KShapesConfig, heldout: set[str]) -> list[dict[str, Any]]:
+def entity_split(name: str, heldout: set[str], validation: set[str]) -> str:
+    """An entity's evaluation split: "heldout" (test), "val" (validation) or "seen"."""
+    return "heldout" if name in heldout else "val" if name in validation else "seen"
+
+
+def evaluation_prompts(
+    cfg: KShapesConfig, heldout: set[str], validation: set[str] = frozenset()
+) -> list[dict[str, Any]]:
+    """Prompts on the evaluation templates (the training captions' own sentence shapes)."""
     rng = np.random.default_rng([cfg.seed, 99])
     prompts = []
     for entity in ENTITIES:
@@ -177,7 +208,64 @@ def evaluation_prompts(cfg: KShapesConfig, heldout: set[str]) -> list[dict[str, 
                     "background": spec.background,
                     "position": position if "{pos}" in template else None,
                     "category": entity.category,
-                    "split": "heldout" if entity.name in heldout else "seen",
+                    "split": entity_split(entity.name, heldout, validation),
+                }
+            )
+    return prompts
+
+
+def robust_prompts(
+    cfg: KShapesConfig, heldout: set[str], validation: set[str] = frozenset()
+) -> list[dict[str, Any]]:
+    """Prompts whose wording no training caption uses (captions.ROBUST_TEMPLATES and
+    DISTRACTOR_TEMPLATES): per entity one "sentence", one "alias" (entities with an alias), one
+    "traditional" (OpenCC s2t of a sentence prompt) and one "distractor" prompt, whose second
+    entity differs in colour and shape and is a seen one (its look is known from training)."""
+    from opencc import OpenCC
+
+    to_traditional = OpenCC("s2t")
+    rng = np.random.default_rng([cfg.seed, 98])
+    kg_only = heldout | validation
+    prompts = []
+    for k, entity in enumerate(ENTITIES):
+        variants: list[tuple[str, str, str, str | None]] = [
+            ("sentence", ROBUST_TEMPLATES[k % len(ROBUST_TEMPLATES)], entity.name, None)
+        ]
+        if entity.aliases:
+            variants.append(
+                ("alias", ROBUST_TEMPLATES[(k + 1) % len(ROBUST_TEMPLATES)], _pick(rng, entity.aliases), None)
+            )
+        variants.append(("traditional", ROBUST_TEMPLATES[(k + 2) % len(ROBUST_TEMPLATES)], entity.name, None))
+        others = [
+            e
+            for e in ENTITIES
+            if e.colour != entity.colour and e.shape != entity.shape and e.name not in kg_only
+        ]
+        variants.append(
+            (
+                "distractor",
+                DISTRACTOR_TEMPLATES[k % len(DISTRACTOR_TEMPLATES)],
+                entity.name,
+                _pick(rng, others).name,
+            )
+        )
+        for variant, template, surface, distractor in variants:
+            spec, position = _spec(rng, entity.shape, entity.colour, cfg.layout)
+            text = template.format(bg=spec.background, pos=position, e=surface, d=distractor)
+            if variant == "traditional":
+                text = to_traditional.convert(text)
+            prompts.append(
+                {
+                    "text": text,
+                    "entity": entity.name,
+                    "colour": entity.colour,
+                    "shape": entity.shape,
+                    "background": spec.background,
+                    "position": position if "{pos}" in template else None,
+                    "category": entity.category,
+                    "split": entity_split(entity.name, heldout, validation),
+                    "variant": variant,
+                    **({"distractor": distractor} if distractor else {}),
                 }
             )
     return prompts
@@ -235,7 +323,9 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     _prepare_out(out, overwrite)
     heldout_names = choose_heldout(cfg.heldout, cfg.seed)
     heldout = set(heldout_names)
-    splits = {split: sample_split(cfg, split, heldout) for split in SPLITS}
+    validation_names = choose_validation(cfg.validation_entities, cfg.seed, heldout)
+    validation = set(validation_names)
+    splits = {split: sample_split(cfg, split, heldout, heldout | validation) for split in SPLITS}
 
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
@@ -275,12 +365,17 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
             "aliases": list(e.aliases),
             "facts": dict(e.facts),
             "heldout": e.name in heldout,
+            "validation": e.name in validation,
         }
         for e in ENTITIES
     }
     atomic_write_text(out / "entities.json", json.dumps(entities, ensure_ascii=False, indent=1) + "\n")
     atomic_write_text(out / "heldout_entities.txt", "".join(f"{n}\n" for n in heldout_names))
-    atomic_write_text(out / "prompts.jsonl", _jsonl(evaluation_prompts(cfg, heldout)))
+    atomic_write_text(out / "validation_entities.txt", "".join(f"{n}\n" for n in validation_names))
+    kg_only = {"heldout": heldout_names, "validation": validation_names, "seed": cfg.seed}
+    atomic_write_text(out / "kg_only_entities.json", json.dumps(kg_only, ensure_ascii=False, indent=1) + "\n")
+    atomic_write_text(out / "prompts.jsonl", _jsonl(evaluation_prompts(cfg, heldout, validation)))
+    atomic_write_text(out / "prompts_robust.jsonl", _jsonl(robust_prompts(cfg, heldout, validation)))
     save_config(cfg, out / "kshapes.yaml")
 
     summary = {
@@ -288,9 +383,14 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
         **{split: len(items) for split, items in splits.items()},
         "entities": len(ENTITIES),
         "heldout": heldout_names,
+        "validation": validation_names,
         "triples": len(kg_triples()),
         "size": cfg.size,
         "hr_size": cfg.size * cfg.hr_scale if cfg.hr_scale else None,
     }
-    log.info("kshapes written to %s: %s", out, {k: v for k, v in summary.items() if k != "heldout"})
+    log.info(
+        "kshapes written to %s: %s",
+        out,
+        {k: v for k, v in summary.items() if k not in ("heldout", "validation")},
+    )
     return summary

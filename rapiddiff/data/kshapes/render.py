@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image, ImageDraw
 
@@ -69,10 +70,22 @@ def _polygon(spec: ShapeSpec, size: int) -> list[tuple[float, float]] | None:
 
 def render(spec: ShapeSpec, size: int, supersample: int = 4) -> Image.Image:
     """The RGB image of ``spec`` at ``size``×``size`` pixels."""
-    big = size * supersample
     background = _shift(BACKGROUNDS[spec.background][0], spec.background_shift)
     colour = _shift(COLOURS[spec.colour], spec.colour_shift)
-    image = Image.new("RGB", (big, big), background)
+    return _draw(spec, size, supersample, "RGB", background, colour)
+
+
+def render_mask(spec: ShapeSpec, size: int, supersample: int = 4) -> Image.Image:
+    """The object's coverage of each pixel ("L", 0 = background, 255 = object, between on edges):
+    the same drawing as :func:`render`, so it tells which pixels of a render are the object."""
+    return _draw(spec, size, supersample, "L", 0, 255)
+
+
+def _draw(
+    spec: ShapeSpec, size: int, supersample: int, mode: str, background: Any, colour: Any
+) -> Image.Image:
+    big = size * supersample
+    image = Image.new(mode, (big, big), background)
     draw = ImageDraw.Draw(image)
     polygon = _polygon(spec, big)
     if polygon is None:

@@ -1,0 +1,147 @@
+"""Which VAE recipe reconstructs kshapes' flat shapes crisply? Several recipes, the same budget, side by side.
+
+Each recipe is `rapiddiff train vae --config configs/vae/kshapes.yaml` plus its overrides, run for the
+same wall-clock time (all at once: the models are small, one GPU holds them all), then scored by
+``benchmarks/kshapes_vae_recon.py`` (detector accuracy of reconstructions, object/image PSNR,
+latent std) on fresh test renders (seed 1234, never trained on).
+
+    python benchmarks/kshapes_vae_recipes.py --out runs/vae_recipes --minutes 2
+    python benchmarks/kshapes_vae_recipes.py --out /tmp/v --smoke          # CPU, a few steps each
+
+Results: OUT/results.md and OUT/results.json; each recipe's VAE in OUT/<name>/model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name → overrides of configs/vae/kshapes.yaml. "shipped": the config before this comparison.
+RECIPES: dict[str, list[str]] = {
+    "shipped": ["--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
+    "lr1e-3": ["--model.optim.lr=1e-3", "--model.optim.warmup_steps=200"],
+    "lr1e-3_deep": [
+        "--model.optim.lr=1e-3",
+        "--model.optim.warmup_steps=200",
+        '--model.architecture={"layers_per_block": 2}',
+    ],
+    "lr1e-3_wide": [
+        "--model.optim.lr=1e-3",
+        "--model.optim.warmup_steps=200",
+        '--model.architecture={"block_out_channels": [64, 128, 128, 128]}',
+    ],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--data", type=Path, help="a kshapes folder (default: OUT/data, written if absent)")
+    parser.add_argument("--minutes", type=float, default=2.0, help="training wall time per recipe")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES")
+    parser.add_argument("--train-images", type=int, default=8000)
+    parser.add_argument("--eval-images", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=3, help="data-loader workers per recipe")
+    parser.add_argument("--smoke", action="store_true", help="tiny data, 3 steps each, CPU")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    data = (args.data or out / "data").resolve()
+    size = 64 if args.smoke else 128
+    if not (data / "train" / "metadata.jsonl").exists():
+        train = "40" if args.smoke else str(args.train_images)
+        subprocess.run(
+            [python, "-m", "rapiddiff", "data", "kshapes", "--out", str(data), "--size", str(size),
+             "--train", train, "--val", "16" if args.smoke else "200", "--test", "0", "--hr-scale", "0",
+             "--workers", str(min(16, os.cpu_count() or 1))],
+            check=True, cwd=ROOT,
+        )  # fmt: skip
+    import torch
+
+    gpu = torch.cuda.is_available()
+    seconds = 20 if args.smoke else int(args.minutes * 60)
+    procs = {}
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    for name in names:
+        root = out / name
+        cmd = [
+            python, "-m", "rapiddiff", "train", "vae", "--config", str(ROOT / "configs/vae/kshapes.yaml"),
+            *RECIPES[name],
+            f"--trainer.max_steps={3 if args.smoke else 100000}",
+            f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}",
+            f"--trainer.precision={'bf16-mixed' if gpu else '32-true'}",
+            "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=1000000", "--trainer.log_every_n_steps=10",
+            "--checkpoint.every_n_train_steps=1000000", "--samples.every_n_steps=1000000",
+            f"--trainer.default_root_dir={root}", f"--output={root / 'model'}",
+            f"--data.train={data / 'train'}", f"--data.val={data / 'val'}", f"--data.image_size={size}",
+            f"--data.batch_size={4 if args.smoke else 32}", f"--data.num_workers={0 if args.smoke else args.workers}",
+        ]  # fmt: skip
+        log = open(out / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+        procs[name] = (
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT),
+            log,
+            time.time(),
+        )
+        print(f"[recipes] start {name}", flush=True)
+    for name, (proc, log, start) in procs.items():
+        code = proc.wait()
+        log.close()
+        print(f"[recipes] {name}: exit {code} after {time.time() - start:.0f} s", flush=True)
+        if code:
+            print((out / f"{name}.log").read_text("utf-8")[-3000:], flush=True)
+            return code
+    scorers = {}
+    for name in names:
+        cmd = [python, str(ROOT / "benchmarks/kshapes_vae_recon.py"), "--vae", str(out / name / "model"),
+               "--n", "8" if args.smoke else str(args.eval_images), "--size", str(size), "--out", str(out / name / "recon")]  # fmt: skip
+        scorers[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
+    results = {}
+    for name, proc in scorers.items():
+        if proc.wait():
+            raise SystemExit(f"scoring {name} failed")
+        results[name] = json.loads((out / name / "recon" / "kshapes_vae_recon.json").read_text("utf-8"))
+        results[name]["steps"] = _steps(out / name)
+    lines = [
+        f"VAE recipes, {seconds} s of training each, all at once ({'GPU: ' + torch.cuda.get_device_name() if gpu else 'CPU'}); "
+        f"{args.eval_images if not args.smoke else 8} test renders (seed 1234):",
+        "",
+        "| recipe | parameters | steps | colour % | shape % | both % | PSNR image dB | PSNR object dB | latent std |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        a = r["accuracy_recon"]
+        lines.append(
+            f"| {name} | {r['parameters'] / 1e6:.2f} M | {r['steps']} | {a['colour']} | {a['shape']} | {a['both']} | "
+            f"{r['psnr_image_db']} | {r['psnr_object_db']} | {r['latent_std']} |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n", "utf-8")
+    (out / "results.json").write_text(json.dumps(results, ensure_ascii=False, indent=1), "utf-8")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+def _steps(run: Path) -> int | None:
+    """Optimizer steps the run made (from the checkpoint-free config Lightning saved: the logs)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return None
+    steps = None
+    for events in run.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/loss" in acc.Tags().get("scalars", []):
+            steps = max(steps or 0, acc.Scalars("train/loss")[-1].step + 1)
+    return steps
+
+
+if __name__ == "__main__":
+    sys.exit(main())
