@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.normalize import normalize
+from rapiddiff.kg.normalize import normalize, normalize_with_offsets, original_span
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -261,19 +261,20 @@ class EntityLinker:
         """Non-overlapping entity spans of ``text``, sorted by start."""
         if not text:
             return []
-        norm = normalize(text)
+        norm, offsets = normalize_with_offsets(text)
         found = self._checked_candidates(norm) if self.word_check else self.candidates(norm)
         if not found:
             return []
         # Longest first, then leftmost; accept what does not overlap an accepted span.
         found.sort(key=lambda c: (c[0] - c[1], c[0]))
-        taken = bytearray(len(text))
+        taken = bytearray(len(norm))
         spans = []
         for s, e, entity_id in found:
             if any(taken[s:e]):
                 continue
             taken[s:e] = b"\x01" * (e - s)
-            spans.append(EntitySpan(s, e, entity_id, text[s:e]))
+            start, end = original_span(offsets, s, e)
+            spans.append(EntitySpan(start, end, entity_id, text[start:end]))
         spans.sort(key=lambda span: span.start)
         return spans
 

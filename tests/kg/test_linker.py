@@ -139,3 +139,49 @@ def test_surface_with_characters_outside_jieba_blocks() -> None:
         ("蒙娜丽莎", 2),
     ]
     assert [s.surface for s in linker.link("学C++很难")] == ["C++"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "达·芬奇画了蒙娜丽莎",  # U+00B7, the form in the lexicon
+        "達・芬奇画了蒙娜丽莎",  # U+30FB katakana middle dot, traditional 達
+        "达•芬奇画了蒙娜丽莎",  # U+2022 bullet
+        "达‧芬奇画了蒙娜丽莎",  # U+2027 hyphenation point
+        "达･芬奇画了蒙娜丽莎",  # U+FF65 half-width katakana middle dot
+    ],
+)
+def test_middle_dot_family_matches(text: str) -> None:
+    linker = EntityLinker({"达·芬奇": 0, "蒙娜丽莎": 1})
+    spans = linker.link(text)
+    assert [(s.start, s.end, s.entity_id) for s in spans] == [(0, 4, 0), (6, 10, 1)]
+    assert spans[0].surface == text[:4]
+
+
+def test_decomposed_accents_match_composed_with_offsets_into_the_text() -> None:
+    import unicodedata
+
+    linker = EntityLinker({"Pokémon": 0, "Renée": 1, "番茄": 2})
+    decomposed = unicodedata.normalize("NFD", "喜欢Pokémon和番茄")
+    assert len(decomposed) == 13  # é is e + U+0301
+    spans = linker.link(decomposed)
+    assert [(s.start, s.end, s.entity_id, s.surface) for s in spans] == [
+        (2, 10, 0, decomposed[2:10]),
+        (11, 13, 2, "番茄"),
+    ]
+    # A decomposed name in the lexicon matches composed text the same way.
+    nfd = EntityLinker({unicodedata.normalize("NFD", "Renée"): 1})
+    assert [(s.start, s.end) for s in nfd.link("我是Renée。")] == [(2, 7)]
+
+
+def test_normalize_with_offsets_maps_back() -> None:
+    import unicodedata
+
+    from rapiddiff.kg.normalize import normalize_with_offsets, original_span
+
+    text = unicodedata.normalize("NFD", "Éa・b")
+    norm, offsets = normalize_with_offsets(text)
+    assert norm == "éa·b"
+    assert original_span(offsets, 0, 1) == (0, 2)
+    assert original_span(offsets, 1, 4) == (2, 5)
+    assert normalize_with_offsets("达·芬奇")[1] is None  # composed text: offsets carry over
