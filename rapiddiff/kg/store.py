@@ -16,13 +16,14 @@ entities opens in milliseconds and pages in only what is touched.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.triples import _check_field
+from rapiddiff.kg.triples import _check_field, write_triples_array
 from rapiddiff.utils.io import atomic_open, atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -145,8 +146,15 @@ class KnowledgeStore:
         path.mkdir(parents=True, exist_ok=True)
         with atomic_open(path / ENTITIES, "w", encoding="utf-8") as f:
             f.write("id\tname\taliases\n")
-            for i, (name, al) in enumerate(zip(self.entity_names, self.aliases, strict=True)):
-                f.write(f"{i}\t{name}\t{'|'.join(al)}\n")
+            # One write per 1 M lines: a line-by-line write costs minutes for 16 M entities.
+            rows = zip(self.entity_names, self.aliases, strict=True)
+            for begin in range(0, len(self), 1 << 20):
+                f.write(
+                    "".join(
+                        f"{i}\t{name}\t{'|'.join(al)}\n"
+                        for i, (name, al) in enumerate(itertools.islice(rows, 1 << 20), start=begin)
+                    )
+                )
         with atomic_open(path / RELATIONS, "w", encoding="utf-8") as f:
             f.write("id\tname\n")
             for i, name in enumerate(self.relation_names):
@@ -154,11 +162,13 @@ class KnowledgeStore:
         meta = {"format": "rapiddiff.KnowledgeStore"}
         save_safetensors({_KEY: self.entity_vectors}, path / ENTITY_EMBEDDINGS, metadata=meta)
         save_safetensors({_KEY: self.relation_vectors}, path / RELATION_EMBEDDINGS, metadata=meta)
-        ents, rels = self.entity_names, self.relation_names
-        with atomic_open(path / TRIPLES, "w", encoding="utf-8") as f:
-            f.write("# head\trelation\ttail\n")
-            for h, r, t in self.triples.tolist():
-                f.write(f"{ents[h]}\t{rels[r]}\t{ents[t]}\n")
+        write_triples_array(
+            path / TRIPLES,
+            self.triples.numpy(),
+            self.entity_names,
+            self.relation_names,
+            header="head\trelation\ttail",
+        )
         config = {
             **self.config,
             "format_version": FORMAT_VERSION,
@@ -246,19 +256,29 @@ class KnowledgeStore:
         if not file.is_file():
             log.warning("%s: no %s; the store has no facts", self.path, TRIPLES)
             return torch.empty(0, 3, dtype=torch.long)
-        from rapiddiff.kg.triples import KGFormatError, read_triples
+        import numpy as np
 
-        ent = {n: i for i, n in enumerate(self.entity_names)}
-        rel = {n: i for i, n in enumerate(self.relation_names)}
-        ids = []
-        for h, r, t in read_triples(file):
-            try:
-                ids.append((ent[h], rel[r], ent[t]))
-            except KeyError as err:
+        from rapiddiff.kg.triples import KGFormatError, read_triples_array
+
+        ids, file_entities, file_relations = read_triples_array(file)
+        columns = []
+        for column, names, ours, what in (
+            (0, file_entities, self.entity_names, "entity"),
+            (1, file_relations, self.relation_names, "relation"),
+            (2, file_entities, self.entity_names, "entity"),
+        ):
+            # The file's ids are its names in sorted order; map them onto the store's ids.
+            if names == ours:
+                columns.append(ids[:, column])
+                continue
+            to_ours = _ids_in(names, ours)
+            missing = np.flatnonzero(to_ours < 0)
+            if len(missing):
                 raise KGFormatError(
-                    f"{file}: triple ({h}, {r}, {t}) names {err} which the store does not have"
-                ) from None
-        return torch.tensor(ids, dtype=torch.long).reshape(-1, 3)
+                    f"{file}: a triple names the {what} {names[missing[0]]!r}, which the store does not have"
+                )
+            columns.append(to_ours[ids[:, column]])
+        return torch.from_numpy(np.stack(columns, axis=1))
 
     # ----------------------------------------------------------------- queries
     @property
@@ -314,6 +334,15 @@ class KnowledgeStore:
         if i is None:
             raise KeyError(f"unknown entity {name_or_alias!r}")
         return self.entity_vectors[i]
+
+
+def _ids_in(names: list[str], ours: list[str]) -> Any:
+    """For each of ``names``, its index in ``ours`` (int64; -1 where absent), vectorised."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found = pc.index_in(pa.array(names, pa.large_string()), value_set=pa.array(ours, pa.large_string()))
+    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype("int64")
 
 
 def _read_table(file: Path, columns: int, expected_rows: int) -> list[list[str]]:
