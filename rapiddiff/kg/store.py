@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,11 @@ ENTITY_EMBEDDINGS = "entity_embeddings.safetensors"
 RELATION_EMBEDDINGS = "relation_embeddings.safetensors"
 TRIPLES = "triples.tsv"
 CONFIG = "config.json"
+# Name index (optional; written by save(), rebuilt in memory where absent): a MARISA trie of
+# names and aliases and the entity id of each trie key, both memory-mapped, so a store of 16 M
+# entities answers id_of() in microseconds right after load().
+NAME_INDEX = "names.marisa"
+NAME_INDEX_IDS = "names.ids.npy"
 _KEY = "embeddings"
 
 
@@ -66,8 +71,8 @@ class KnowledgeStore:
         self._relation_names = relation_names
         self._aliases = aliases
         self._triples = triples
-        self._index: dict[str, int] | None = None
-        self._norm_index: dict[str, int] | None = None
+        self._index: tuple[Any, Any] | None = None
+        self._norm_index: tuple[Any, Any] | None = None
         self._facts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- construction
@@ -142,6 +147,8 @@ class KnowledgeStore:
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> Path:
         """Write the store folder (each file atomically); returns the folder path."""
+        import numpy as np
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         with atomic_open(path / ENTITIES, "w", encoding="utf-8") as f:
@@ -169,6 +176,11 @@ class KnowledgeStore:
             self.relation_names,
             header="head\trelation\ttail",
         )
+        trie, ids = self._name_index()
+        with atomic_open(path / NAME_INDEX, "wb") as f:
+            trie.write(f)
+        with atomic_open(path / NAME_INDEX_IDS, "wb") as f:
+            np.save(f, ids, allow_pickle=False)
         config = {
             **self.config,
             "format_version": FORMAT_VERSION,
@@ -296,24 +308,53 @@ class KnowledgeStore:
 
         On a clash a name beats an alias and the lower id wins.
         """
-        if self._index is None:
-            index: dict[str, int] = {}
-            for i, name in enumerate(self.entity_names):
-                index.setdefault(name, i)
-            for i, aliases in enumerate(self.aliases):
-                for a in aliases:
-                    index.setdefault(a, i)
-            self._index = index
-        hit = self._index.get(name_or_alias)
-        if hit is None:
-            from rapiddiff.kg.normalize import normalize
+        trie, ids = self._name_index()
+        key_id = trie.get(name_or_alias)
+        if key_id is not None:
+            return int(ids[key_id])
+        if self._norm_index is None:  # built only when an exact lookup misses
+            from rapiddiff.kg.linker import _surface_index
 
-            if self._norm_index is None:  # built only when an exact lookup misses
-                self._norm_index = {}
-                for form, i in self._index.items():
-                    self._norm_index.setdefault(normalize(form), i)
-            hit = self._norm_index.get(normalize(name_or_alias))
-        return hit
+            norm_trie, norm_ids, *_ = _surface_index(self._forms())
+            self._norm_index = (norm_trie, norm_ids)
+        from rapiddiff.kg.normalize import normalize
+
+        norm_trie, norm_ids = self._norm_index
+        key_id = norm_trie.get(normalize(name_or_alias.strip()))
+        return None if key_id is None else int(norm_ids[key_id])
+
+    def _forms(self) -> Iterator[tuple[str, int]]:
+        """(name or alias, entity id): names first, so a name beats another entity's alias."""
+        yield from ((name, i) for i, name in enumerate(self.entity_names))
+        yield from ((alias, i) for i, forms in enumerate(self.aliases) for alias in forms)
+
+    def _name_index(self) -> tuple[Any, Any]:
+        """(MARISA trie of names and aliases, entity id per trie key): the saved one, memory-mapped,
+        or one built now from the names (first form wins)."""
+        if self._index is None:
+            import numpy as np
+
+            if self.path is not None and (self.path / NAME_INDEX).is_file():
+                import marisa_trie
+
+                trie = marisa_trie.Trie()
+                trie.mmap(str(self.path / NAME_INDEX))
+                ids = np.load(self.path / NAME_INDEX_IDS, mmap_mode="r", allow_pickle=False)
+                if len(ids) != len(trie):
+                    raise ValueError(
+                        f"{self.path}: {NAME_INDEX_IDS} holds {len(ids)} ids for {len(trie)} names in "
+                        f"{NAME_INDEX}; delete both files to have them rebuilt"
+                    )
+            else:
+                import marisa_trie
+
+                forms = list(self._forms())
+                trie = marisa_trie.Trie([f for f, _ in forms])
+                ids = np.full(len(trie), -1, dtype=np.int32)
+                for form, i in reversed(forms):  # reversed: the first form of a key is written last
+                    ids[trie[form]] = i
+            self._index = (trie, ids)
+        return self._index
 
     def facts(self, entity_id: int) -> list[tuple[int, int]]:
         """(relation_id, tail_id) of every triple whose head is ``entity_id``."""
