@@ -181,11 +181,12 @@ def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None
 
     from rapiddiff.kg.triples import read_aliases, read_triples_array
 
-    # Ids straight from the file (pyarrow + numpy): the same ids and order as pykeen's
-    # from_labeled_triples, without a Python tuple or a numpy string per triple.
+    # Ids straight from the file (pyarrow + numpy): the same ids as pykeen's from_labeled_triples,
+    # without a Python tuple or a numpy string per triple.
     ids, entity_names, relation_names = read_triples_array(cfg.triples)
     full = TriplesFactory(
-        mapped_triples=torch.from_numpy(ids),
+        # sorted as pykeen's from_labeled_triples sorts them (np.unique), so splits match it
+        mapped_triples=_sorted_unique(torch.from_numpy(ids), len(entity_names), len(relation_names)),
         entity_to_id={name: i for i, name in enumerate(entity_names)},
         relation_to_id={name: i for i, name in enumerate(relation_names)},
         create_inverse_triples=cfg.create_inverse_triples,
