@@ -45,9 +45,6 @@ class FusionConfig:
         return dataclasses.asdict(self)
 
 
-_BITMAP_LIMIT = 1 << 32  # bytes of (head, relation) flags relation_table may use instead of a sort
-
-
 def relation_table(triples: torch.Tensor, num_entities: int, max_relations: int) -> torch.Tensor:
     """For each head entity, the ids of up to ``max_relations`` distinct relations it has.
 
@@ -60,15 +57,7 @@ def relation_table(triples: torch.Tensor, num_entities: int, max_relations: int)
         return table
     heads, rels = triples[:, 0].long(), triples[:, 1].long()
     num_rel = int(rels.max()) + 1
-    if num_entities * num_rel <= _BITMAP_LIMIT:
-        # One flag per (head, relation), then its set flags in order: linear in the triples,
-        # where unique() sorts them (140 M triples: seconds instead of a minute on one core).
-        seen = torch.zeros(num_entities * num_rel, dtype=torch.bool)
-        seen[heads * num_rel + rels] = True
-        keys = seen.nonzero().squeeze(1)
-        del seen
-    else:
-        keys = torch.unique(heads * num_rel + rels)  # sorted: by head, then relation; duplicates gone
+    keys = torch.unique(heads * num_rel + rels)  # sorted: by head, then relation; duplicates gone
     heads, rels = keys // num_rel, keys % num_rel
     counts = torch.bincount(heads, minlength=num_entities)
     starts = torch.cumsum(counts, 0) - counts

@@ -184,23 +184,6 @@ def test_relation_table_keeps_distinct_relations_per_head():
     assert table.tolist() == [[0, 1], [-1, -1], [2, -1]]
 
 
-def test_relation_table_flag_and_sort_builds_agree(monkeypatch):
-    import rapiddiff.models.fusion as fusion
-
-    gen = torch.Generator().manual_seed(0)
-    triples = torch.stack(
-        [
-            torch.randint(0, 50, (2000,), generator=gen),
-            torch.randint(0, 9, (2000,), generator=gen),
-            torch.zeros(2000, dtype=torch.long),
-        ],
-        dim=1,
-    )
-    flags = relation_table(triples, num_entities=60, max_relations=4)
-    monkeypatch.setattr(fusion, "_BITMAP_LIMIT", 0)  # the sort-based build
-    assert torch.equal(flags, relation_table(triples, num_entities=60, max_relations=4))
-
-
 def test_knowledge_item_dropout_acts_only_in_training_and_never_empties_an_entity(store):
     from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
 
