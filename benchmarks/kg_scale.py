@@ -155,6 +155,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def store_step(args: argparse.Namespace) -> dict[str, Any]:
     import random
 
+    import torch  # noqa: F401  (imported first: opening is timed, importing torch is not)
+
     from rapiddiff.kg.store import KnowledgeStore
 
     t0 = time.perf_counter()
