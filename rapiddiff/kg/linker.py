@@ -1,32 +1,34 @@
 """EntityLinker: find the KnowledgeStore's entities in Chinese text, as character spans.
 
-1. Normalise the text character by character (full/half width, case, traditional → simplified;
-   :mod:`rapiddiff.kg.normalize`), so offsets stay those of the original text.
-2. Find every occurrence of every surface form (names and aliases) with a character trie —
-   independent of word segmentation, so an entity is found wherever it is written.
-3. Reject a candidate whose start or end falls inside a word of jieba's segmentation (HMM off,
-   the entity lexicon added to a private ``jieba.Tokenizer``): 番茄 is not linked inside
-   番茄酱 unless 番茄酱 is itself an entity. jieba is the expensive step, so it runs only on the
-   jieba blocks (runs of Han/alphanumeric characters, which jieba segments independently) where
-   a candidate boundary falls strictly inside the block.
+1. Normalise the text (full/half width, case, traditional → simplified, the middle-dot family,
+   composed accents; :mod:`rapiddiff.kg.normalize`), keeping a map back to the user's offsets.
+2. Find every occurrence of every surface form (names and aliases) with a MARISA trie
+   (``marisa-trie``): one prefix query per character, independent of word segmentation, so an
+   entity is found wherever it is written. The trie holds 16 M names in a few hundred MB where
+   a Python dict per name (or jieba's dictionary with every name added) needs tens of GB.
+3. Reject a candidate whose start or end falls strictly inside a word of jieba's segmentation
+   (HMM off) of the text, with jieba's main dictionary plus the lexicon — of which only the
+   forms that occur in a jieba block can change that block's segmentation, so each block that
+   needs the check is segmented with jieba's dictionary plus the candidates found in it, each at
+   the frequency jieba's ``add_word`` would suggest. 番茄 is not linked inside 番茄酱 unless
+   番茄酱 is itself an entity. jieba is the expensive step, so it runs only on the jieba blocks
+   (runs of Han/alphanumeric characters, which jieba segments independently) where a candidate
+   boundary falls strictly inside the block.
 4. Keep the longest, then leftmost, of overlapping candidates.
-
-Why a pure-Python trie and not pyahocorasick: the trie walk costs well under jieba's check on
-the benchmark (BENCHMARKS.md, ``benchmarks/kg_link_speed.py``), so a C automaton would not
-change the total, and it would be one more compiled dependency.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
+import itertools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.normalize import normalize
+from rapiddiff.kg.normalize import normalize, normalize_with_offsets, original_span
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -34,8 +36,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-_PREFIX = object()  # marks a dictionary prefix that is not itself a word
-_END = ""  # trie key marking "a surface form ends here"; no character is the empty string
 # jieba.cut splits text into these blocks and segments each on its own; characters outside them
 # are single tokens (jieba/__init__.py, re_han_default). Copied so we can find the blocks ourselves.
 _JIEBA_BLOCK = re.compile("[\u4e00-\u9fd5a-zA-Z0-9+#&\\._%\\-]+")
@@ -54,6 +54,75 @@ def _jieba_dictionary() -> tuple[dict[str, int], int]:
     return tok.FREQ, tok.total
 
 
+@dataclass(frozen=True)
+class _JiebaDictionary:
+    """jieba's main dictionary as a MARISA trie of its words and each word's weight
+    log(freq) - log(total) (jieba's calc() term). The words starting at a position are one
+    prefix query (jieba's get_DAG walks a dict of words and prefixes, one lookup a step): the
+    same DAG, as fast, and the trie is memory-mapped from the on-disk cache
+    (:mod:`rapiddiff.kg.cache`), so a fresh process pays nothing to load jieba's 350 k words.
+    """
+
+    trie: Any
+    weights: list[float]
+    logtotal: float
+    longest: int
+
+    def frequency(self, word: str) -> int:
+        """A word's frequency in jieba's dictionary (0 if it is not a word there)."""
+        key_id = self.trie.get(word)
+        return 0 if key_id is None else round(math.exp(self.weights[key_id] + self.logtotal))
+
+
+@functools.cache
+def _jieba() -> _JiebaDictionary:
+    """jieba's dictionary, from the cache (built there from jieba's own files the first time)."""
+    import marshal
+    from importlib.metadata import version
+
+    import jieba
+    import marisa_trie
+
+    from rapiddiff.kg.cache import cache_file
+    from rapiddiff.utils.io import atomic_write_bytes
+
+    source = Path(jieba.__file__).with_name("dict.txt")
+    stat = source.stat()
+    key = (
+        "jieba-trie",
+        1,
+        version("jieba"),
+        version("marisa-trie"),
+        str(source),
+        stat.st_size,
+        stat.st_mtime_ns,
+    )
+    trie_file, data_file = cache_file("jieba", key, ".marisa"), cache_file("jieba", key, ".marshal")
+    try:
+        weights, logtotal, longest = marshal.loads(data_file.read_bytes())
+        trie = marisa_trie.Trie()
+        trie.mmap(str(trie_file))
+        if len(trie) == len(weights):
+            return _JiebaDictionary(trie, weights, logtotal, longest)
+    except (OSError, EOFError, ValueError, TypeError, RuntimeError):
+        pass  # absent or damaged: build it again
+    freq, total = _jieba_dictionary()
+    words = [w for w, f in freq.items() if f]  # freq 0: a prefix jieba keeps for its walk
+    trie = marisa_trie.Trie(words)
+    logtotal = math.log(total)
+    weights = [0.0] * len(trie)
+    for w in words:
+        weights[trie[w]] = math.log(freq[w]) - logtotal
+    longest = max(map(len, words))
+    try:
+        trie_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(trie_file, trie.tobytes())
+        atomic_write_bytes(data_file, marshal.dumps((weights, logtotal, longest)))
+    except OSError as err:
+        log.debug("cannot cache jieba's dictionary in %s (%s)", trie_file.parent, err)
+    return _JiebaDictionary(trie, weights, logtotal, longest)
+
+
 def _is_alnum(char: str) -> bool:
     return char.isascii() and char.isalnum()
 
@@ -64,22 +133,93 @@ def _inner_alnum(norm: str, p: int, n: int) -> bool:
     return 0 < p < n and _is_alnum(norm[p - 1]) and _is_alnum(norm[p])
 
 
-def _trie_matches(trie: dict[str, Any], norm: str) -> list[tuple[int, int, int]]:
-    end_key = _END
-    found = []
-    n = len(norm)
-    for i in range(n):
-        node = trie.get(norm[i])
-        j = i + 1
-        while node is not None:
-            hit = node.get(end_key)
-            if hit is not None:
-                found.append((i, j, hit))
-            if j == n:
-                break
-            node = node.get(norm[j])
-            j += 1
-    return found
+def _segment(block: str, extra: dict[int, dict[int, float]] | None = None) -> list[int]:
+    """End offsets of the words of jieba's HMM-free segmentation of one jieba block.
+
+    jieba's get_DAG + calc fused into one right-to-left pass (same float operations and
+    tie-breaking, so the same path as ``jieba.Tokenizer.cut(block, HMM=False)`` over the same
+    dictionary; tests compare the two). ``extra`` adds words to jieba's dictionary for this
+    block: start → {last index: weight}; an added word's weight replaces the dictionary's, as
+    ``add_word`` does.
+    """
+    d = _jieba()
+    prefixes, weights, logtotal, longest = d.trie.iter_prefixes_with_ids, d.weights, d.logtotal, d.longest
+    n = len(block)
+    score = [0.0] * (n + 1)
+    nxt = [0] * n
+    for k in range(n - 1, -1, -1):
+        best_end = -1
+        best = 0.0
+        added = extra.get(k) if extra else None
+        if added is None:
+            for word, key_id in prefixes(block[k : k + longest]):  # the DAG edges from k
+                i = k + len(word) - 1
+                sc = weights[key_id] + score[i + 1]
+                if best_end < 0 or sc >= best:  # max over (score, end): ties go to the longer word
+                    best, best_end = sc, i
+        else:
+            edges = dict(added)
+            for word, key_id in prefixes(block[k : k + longest]):
+                edges.setdefault(k + len(word) - 1, weights[key_id])
+            for i in sorted(edges):
+                sc = edges[i] + score[i + 1]
+                if best_end < 0 or sc >= best:
+                    best, best_end = sc, i
+        if best_end < 0:  # no word starts here: the single character, log(1) - logtotal
+            best, best_end = (0.0 - logtotal) + score[k + 1], k
+        score[k] = best
+        nxt[k] = best_end + 1
+    ends = []
+    x = 0
+    while x < n:
+        x = nxt[x]
+        ends.append(x)
+    return ends
+
+
+def suggested_frequency(word: str) -> int:
+    """The frequency ``jieba.Tokenizer.add_word(word)`` gives a word (``suggest_freq(word, False)``)
+    against jieba's main dictionary: just enough to keep the word in one piece."""
+    d = _jieba()
+    total = round(math.exp(d.logtotal))
+    product = 1.0
+    start = 0
+    for end in _segment(word) if word else []:
+        product *= (d.frequency(word[start:end]) or 1) / total
+        start = end
+    return max(int(product * total) + 1, d.frequency(word) or 1)
+
+
+def _surface_index(pairs: Iterable[tuple[str, int]]) -> tuple[Any, Any, set[str], int, int]:
+    """(MARISA trie of normalised forms, int32 entity id per trie key, the forms' first two
+    characters, longest form, clashes).
+
+    On a clash (two forms normalise alike) the first pair wins.
+    """
+    import marisa_trie
+    import numpy as np
+
+    keys: list[str] = []
+    ids: list[int] = []
+    longest = 0
+    for surface, entity_id in pairs:
+        key = normalize(surface.strip())
+        if key:
+            keys.append(key)
+            ids.append(int(entity_id))
+            longest = max(longest, len(key))
+    # The first two characters of every form: most positions of a text start no form, and a set
+    # lookup rejects them for a tenth of a trie query.
+    heads = {k[:2] for k in keys}
+    trie = marisa_trie.Trie(keys)
+    key_ids = np.fromiter(map(trie.key_id, keys), dtype=np.int64, count=len(keys))
+    id_array = np.asarray(ids, dtype=np.int64)
+    del keys, ids
+    _, first = np.unique(key_ids, return_index=True)  # the first pair of each key
+    table = np.empty(len(trie), dtype=np.int32)
+    table[key_ids[first]] = id_array[first]
+    clashes = int(np.count_nonzero(table[key_ids] != id_array))
+    return trie, table, heads, longest, clashes
 
 
 @dataclass(frozen=True)
@@ -95,187 +235,131 @@ class EntitySpan:
 class EntityLinker:
     """Longest-match entity linking over a surface-form lexicon, with a jieba word-cut check."""
 
-    def __init__(self, lexicon: Mapping[str, int], *, word_check: bool = True) -> None:
-        """``lexicon``: surface form → entity id. Forms are normalised; on a clash the first wins.
+    def __init__(
+        self, lexicon: Mapping[str, int] | Iterable[tuple[str, int]], *, word_check: bool = True
+    ) -> None:
+        """``lexicon``: surface form → entity id (a mapping, or (form, id) pairs). Forms are
+        normalised; on a clash the first wins.
 
         ``word_check=False`` skips the jieba check (pure longest match), for ablations.
         """
-        self.trie: dict[str, Any] = {}
-        self.surfaces: dict[str, int] = {}
-        clashes = 0
-        for surface, entity_id in lexicon.items():
-            key = normalize(surface.strip())
-            if not key:
-                continue
-            if key in self.surfaces:
-                clashes += self.surfaces[key] != entity_id
-                continue
-            self.surfaces[key] = int(entity_id)
-            node = self.trie
-            for char in key:
-                node = node.setdefault(char, {})
-            node[_END] = int(entity_id)
-        # Surface forms with a character outside jieba's blocks cannot be met by the block scan.
-        self._cross_trie: dict[str, Any] = {}
-        for key, entity_id in self.surfaces.items():
-            if _JIEBA_BLOCK.fullmatch(key) is None:
-                node = self._cross_trie
-                for char in key:
-                    node = node.setdefault(char, {})
-                node[_END] = entity_id
+        pairs = lexicon.items() if isinstance(lexicon, Mapping) else lexicon
+        self.trie, self.entity_ids, self._heads, self.longest, clashes = _surface_index(pairs)
+        self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
         if clashes:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
-        self._tokenizer: Any = None
-        self._weights: dict[str, Any] | None = None
-        self._weights_total = 0
-        self._logtotal = 0.0
+        self._frequencies: dict[str, float] = {}
 
     @classmethod
     def from_store(cls, store: KnowledgeStore, **kwargs: Any) -> EntityLinker:
         """Names first, then aliases, so a name always beats another entity's alias."""
-        lexicon: dict[str, int] = {}
-        for i, name in enumerate(store.entity_names):
-            lexicon.setdefault(name, i)
-        for i, aliases in enumerate(store.aliases):
-            for alias in aliases:
-                lexicon.setdefault(alias, i)
-        return cls(lexicon, **kwargs)
-
-    @property
-    def tokenizer(self) -> Any:
-        """A private ``jieba.Tokenizer`` with the lexicon added (built on first use).
-
-        It starts from a copy of jieba's main dictionary, loaded once per process: loading it
-        takes about a second, copying it a few tens of milliseconds.
-        """
-        if self._tokenizer is None:
-            import jieba
-
-            freq, total = _jieba_dictionary()
-            tok = jieba.Tokenizer()
-            tok.FREQ, tok.total, tok.initialized = dict(freq), total, True
-            for surface in self.surfaces:
-                # freq=None: jieba's own suggestion, just enough to keep the form in one piece.
-                tok.add_word(surface)
-            self._tokenizer = tok
-        return self._tokenizer
+        names = ((name, i) for i, name in enumerate(store.entity_names))
+        aliases = ((alias, i) for i, forms in enumerate(store.aliases) for alias in forms)
+        return cls(itertools.chain(names, aliases), **kwargs)
 
     def candidates(self, norm: str) -> list[tuple[int, int, int]]:
         """Every (start, end, entity_id) occurrence of a surface form in normalised text."""
-        return _trie_matches(self.trie, norm)
+        found = []
+        prefixes = self.trie.iter_prefixes_with_ids
+        ids = self.entity_ids
+        longest = self.longest
+        heads, singles = self._heads, self._singles
+        for i in range(len(norm)):
+            if norm[i : i + 2] in heads or (singles and norm[i] in singles):
+                for key, key_id in prefixes(norm[i : i + longest]):
+                    found.append((i, i + len(key), int(ids[key_id])))
+        return found
 
     def segment_ends(self, block: str) -> list[int]:
-        """End offsets of the words of jieba's HMM-free segmentation of one jieba block.
+        """End offsets of the words of jieba's HMM-free segmentation of one jieba block, with
+        jieba's dictionary plus the lexicon's forms found in the block (see :meth:`block_words`)."""
+        spans = [(s, e) for s, e, _ in self.candidates(block)]
+        return _segment(block, self._extra(block, 0, spans))
 
-        The same maximum-probability path over the same dictionary DAG as
-        ``jieba.Tokenizer.cut(block, HMM=False)`` (tests compare the two); see :meth:`_scan`.
-        """
-        return self._scan(block, 0, None)
+    def block_words(self, block: str) -> list[str]:
+        """The lexicon's (normalised) forms that occur inside ``block``."""
+        return sorted({block[s:e] for s, e, _ in self.candidates(block)})
 
-    def _scan(self, block: str, offset: int, found: list[tuple[int, int, int]] | None) -> list[int]:
-        """Segment one jieba block; append the entity occurrences met on the way to ``found``.
+    def word_frequency(self, form: str) -> float:
+        """The frequency a lexicon form has in the segmentation: jieba's ``add_word`` suggestion."""
+        freq = self._frequencies.get(form)
+        if freq is None:
+            if len(self._frequencies) > 1_000_000:  # a bound for long-running processes
+                self._frequencies.clear()
+            freq = self._frequencies[form] = float(suggested_frequency(form))
+        return freq
 
-        jieba's get_DAG + calc, fused into one right-to-left pass (same float operations and
-        tie-breaking, so the same path): no word list is built, one dict lookup per DAG step. The DAG walk meets every dictionary word of the block, and every surface
-        form is in the dictionary (the tokenizer has the lexicon added), so the same pass finds
-        the candidates: with a large lexicon nearly every block holds one, and a separate trie
-        pass plus a segmentation would do the work twice. jieba's merging of single Latin
-        letters into one token is not replicated: link() never cuts inside a Latin run anyway.
-        """
-        weights = self._word_weights()
-        logtotal = self._logtotal
-        surfaces = self.surfaces if found is not None else {}
-        n = len(block)
-        score = [0.0] * (n + 1)
-        nxt = [0] * n
-        for k in range(n - 1, -1, -1):
-            best_end = -1
-            best = 0.0
-            i = k
-            # jieba.get_DAG: extend while the fragment is a dictionary prefix; words have a weight.
-            frag = block[k]
-            w = weights.get(frag)
-            while w is not None:
-                if w is not _PREFIX:
-                    sc = w + score[i + 1]
-                    if best_end < 0 or sc >= best:  # max over (score, end): ties go to the longer word
-                        best, best_end = sc, i
-                    entity = surfaces.get(frag)
-                    if entity is not None:
-                        found.append((offset + k, offset + i + 1, entity))  # type: ignore[union-attr]
-                i += 1
-                if i == n:
-                    break
-                frag = block[k : i + 1]
-                w = weights.get(frag)
-            if best_end < 0:  # no word starts here: the single character, log(1) - logtotal
-                best, best_end = (0.0 - logtotal) + score[k + 1], k
-            score[k] = best
-            nxt[k] = best_end + 1
-        ends = []
-        x = 0
-        while x < n:
-            x = nxt[x]
-            ends.append(offset + x)
-        return ends
-
-    def _word_weights(self) -> dict[str, Any]:
-        """jieba's dictionary as word → log(freq) - log(total) (jieba's calc() term), prefixes → _PREFIX.
-
-        One dict lookup per DAG step instead of jieba's three (``in``, ``[]``, ``.get`` in calc).
-        """
-        tok = self.tokenizer
-        if self._weights is None or self._weights_total != tok.total:
-            logtotal = math.log(tok.total)
-            log = math.log
-            self._weights = {w: (log(f) - logtotal) if f else _PREFIX for w, f in tok.FREQ.items()}
-            self._weights_total, self._logtotal = tok.total, logtotal
-        return self._weights
+    def _extra(self, norm: str, offset: int, spans: Iterable[tuple[int, int]]) -> dict[int, dict[int, float]]:
+        """The lexicon words of one block (spans in ``norm``, block starting at ``offset``) as
+        :func:`_segment`'s ``extra``: local start → {local last index: weight}."""
+        extra: dict[int, dict[int, float]] = {}
+        logtotal = _jieba().logtotal
+        for s, e in spans:
+            weight = math.log(self.word_frequency(norm[s:e])) - logtotal
+            extra.setdefault(s - offset, {})[e - 1 - offset] = weight
+        return extra
 
     def _checked_candidates(self, norm: str) -> list[tuple[int, int, int]]:
-        """Candidates whose both ends are word boundaries of jieba's segmentation of ``norm``."""
-        found: list[tuple[int, int, int]] = []
-        boundaries: set[int] = set()
-        blocks: list[tuple[int, int]] = []
-        for block in _JIEBA_BLOCK.finditer(norm):
-            start = block.start()
-            boundaries.add(start)
-            boundaries.update(self._scan(block.group(), start, found))
-            blocks.append((start, block.end()))
-        found = [c for c in found if c[0] in boundaries and c[1] in boundaries]
-        if self._cross_trie:
-            # Surface forms holding characters jieba never puts in a block (e.g. 达·芬奇): found by
-            # the trie; their ends are boundaries unless they fall strictly inside a block.
-            starts = [a for a, _ in blocks]
-
-            def ok(p: int) -> bool:
-                j = bisect.bisect_right(starts, p) - 1
-                return j < 0 or p >= blocks[j][1] or p in boundaries
-
-            found += [c for c in _trie_matches(self._cross_trie, norm) if ok(c[0]) and ok(c[1])]
+        """Candidates whose both ends are word boundaries: not strictly inside a jieba block,
+        or an end of a word of that block's segmentation."""
+        found = self.candidates(norm)
+        if not found:
+            return found
         n = len(norm)
-        return [c for c in found if not _inner_alnum(norm, c[0], n) and not _inner_alnum(norm, c[1], n)]
+        block_at = [-1] * n  # the jieba block each character is in
+        blocks = []
+        for b, match in enumerate(_JIEBA_BLOCK.finditer(norm)):
+            start, end = match.span()
+            blocks.append((start, end))
+            block_at[start:end] = [b] * (end - start)
 
-    def link(self, text: str) -> list[EntitySpan]:
-        """Non-overlapping entity spans of ``text``, sorted by start."""
+        def inside(p: int) -> bool:
+            return 0 < p < n and block_at[p] >= 0 and block_at[p - 1] == block_at[p]
+
+        words: dict[int, list[tuple[int, int]]] = {block_at[p]: [] for c in found for p in c[:2] if inside(p)}
+        boundaries: set[int] = set()
+        if words:
+            for s, e, _ in found:  # the lexicon's forms inside each block to segment
+                b = block_at[s]
+                if b in words and block_at[e - 1] == b:
+                    words[b].append((s, e))
+            for b, spans in words.items():
+                start, end = blocks[b]
+                boundaries.update(
+                    start + x for x in _segment(norm[start:end], self._extra(norm, start, spans))
+                )
+        return [
+            c
+            for c in found
+            if (not inside(c[0]) or c[0] in boundaries)
+            and (not inside(c[1]) or c[1] in boundaries)
+            and not _inner_alnum(norm, c[0], n)
+            and not _inner_alnum(norm, c[1], n)
+        ]
+
+    def link(self, text: str, *, word_check: bool | None = None) -> list[EntitySpan]:
+        """Non-overlapping entity spans of ``text``, sorted by start (``word_check`` overrides
+        the linker's setting for this call)."""
         if not text:
             return []
-        norm = normalize(text)
-        found = self._checked_candidates(norm) if self.word_check else self.candidates(norm)
+        norm, offsets = normalize_with_offsets(text)
+        check = self.word_check if word_check is None else word_check
+        found = self._checked_candidates(norm) if check else self.candidates(norm)
         if not found:
             return []
         # Longest first, then leftmost; accept what does not overlap an accepted span.
         found.sort(key=lambda c: (c[0] - c[1], c[0]))
-        taken = bytearray(len(text))
+        taken = bytearray(len(norm))
         spans = []
         for s, e, entity_id in found:
             if any(taken[s:e]):
                 continue
             taken[s:e] = b"\x01" * (e - s)
-            spans.append(EntitySpan(s, e, entity_id, text[s:e]))
+            start, end = original_span(offsets, s, e)
+            spans.append(EntitySpan(start, end, entity_id, text[start:end]))
         spans.sort(key=lambda span: span.start)
         return spans
 
     def __len__(self) -> int:
-        return len(self.surfaces)
+        return len(self.trie)

@@ -1,9 +1,14 @@
-"""Character-level text normalisation for entity matching: one character in, one character out.
+"""Text normalisation for entity matching, with a map back to the user's offsets.
 
-Full-width → half-width and compatibility forms (Unicode NFKC), upper → lower case, traditional
-→ simplified Chinese (OpenCC ``t2s``). Because every character maps to exactly one character,
-offsets in the normalised text ARE offsets in the original text, so linker spans point into
-what the user wrote.
+Per character: full-width → half-width and compatibility forms (Unicode NFKC), upper → lower
+case, traditional → simplified Chinese (OpenCC ``t2s``), and the middle-dot family (・ • ‧ ⋅ …)
+→ U+00B7, the dot Chinese writes between the parts of a foreign name (达·芬奇). Across
+characters: a base letter followed by combining marks (NFD, "e" + U+0301) is composed (NFC),
+so a decomposed accent matches a composed one.
+
+Every character maps to one character, so for composed (NFC) text — nearly all text —
+offsets in the normalised text ARE offsets in the original; only where marks are composed
+does :func:`normalize_with_offsets` return a map back.
 
 Why a table rather than ``OpenCC('t2s').convert(text)`` on every call: opencc-python converts
 about 0.4 M chars/s, slower than the whole linker's budget, and its phrase rules may change
@@ -20,11 +25,33 @@ import unicodedata
 
 # CJK Unified Ideographs (+ Extension A) and the compatibility block: where t2s has entries.
 _CJK_RANGES = ((0x3400, 0x4DC0), (0x4E00, 0xA000), (0xF900, 0xFB00))
+MIDDLE_DOT = "\u00b7"
+# Dots people type between the parts of a transliterated name, all read as U+00B7: Greek ano
+# teleia, runic single punctuation, bullet, hyphenation point, bullet operator, dot operator,
+# word separator middle dot, katakana middle dot (Japanese and Traditional Chinese text), its
+# half-width form, Latin letter sinological dot.
+DOT_FAMILY = "\u0387\u16eb\u2022\u2027\u2219\u22c5\u2e31\u30fb\uff65\ua78f"
+
+
+_TABLE_VERSION = 2  # bump when the rules below change: the cached table is keyed on it
 
 
 @functools.cache
 def normalization_table() -> dict[int, str]:
-    """code point → replacement character, for every BMP character that normalisation changes."""
+    """code point → replacement character, for every BMP character that normalisation changes.
+
+    Built once per machine (about a second: NFKC of 64 k characters and OpenCC of 28 k) and
+    then read from the on-disk cache (:mod:`rapiddiff.kg.cache`).
+    """
+    from importlib.metadata import version
+
+    from rapiddiff.kg.cache import cached
+
+    key = (_TABLE_VERSION, unicodedata.unidata_version, version("opencc-python-reimplemented"), DOT_FAMILY)
+    return cached("normalization", key, _build_table)
+
+
+def _build_table() -> dict[int, str]:
     from opencc import OpenCC
 
     table: dict[int, str] = {}
@@ -49,9 +76,54 @@ def normalization_table() -> dict[int, str]:
         again = table.get(ord(folded))
         if again is not None and again != folded:
             table[code] = again
+    for dot in DOT_FAMILY:
+        table[ord(dot)] = MIDDLE_DOT
     return table
 
 
+Offsets = tuple[list[int], list[int]]
+
+
+def normalize_with_offsets(text: str) -> tuple[str, Offsets | None]:
+    """``(normalised text, offsets)``; ``offsets`` is None when offsets carry over unchanged.
+
+    Otherwise ``offsets`` is ``(starts, ends)``: normalised character ``k`` comes from
+    ``text[starts[k]:ends[k]]`` (see :func:`original_span`). Only where combining marks follow a
+    base character does the text change length: each base character with its marks is composed
+    (NFC) on its own, and every character composed from a group stands for the whole group.
+    """
+    table = normalization_table()
+    if unicodedata.is_normalized("NFC", text):
+        return text.translate(table), None
+    pieces: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    n = len(text)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and unicodedata.combining(text[j]):
+            j += 1
+        group = text[i:j]
+        composed = unicodedata.normalize("NFC", group)
+        if composed == group:
+            starts.extend(range(i, j))
+            ends.extend(range(i + 1, j + 1))
+        else:
+            starts.extend([i] * len(composed))
+            ends.extend([j] * len(composed))
+        pieces.append(composed)
+        i = j
+    return "".join(pieces).translate(table), (starts, ends)
+
+
+def original_span(offsets: Offsets | None, start: int, end: int) -> tuple[int, int]:
+    """The span of the original text that normalised ``[start, end)`` (non-empty) came from."""
+    if offsets is None:
+        return start, end
+    return offsets[0][start], offsets[1][end - 1]
+
+
 def normalize(text: str) -> str:
-    """``text`` with each character normalised; ``len(normalize(t)) == len(t)`` always."""
-    return text.translate(normalization_table())
+    """``text`` normalised for matching (the form names and mentions are compared in)."""
+    return normalize_with_offsets(text)[0]

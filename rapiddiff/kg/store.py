@@ -16,13 +16,14 @@ entities opens in milliseconds and pages in only what is touched.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.triples import _check_field
+from rapiddiff.kg.triples import _check_field, write_triples_array
 from rapiddiff.utils.io import atomic_open, atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -38,6 +39,11 @@ ENTITY_EMBEDDINGS = "entity_embeddings.safetensors"
 RELATION_EMBEDDINGS = "relation_embeddings.safetensors"
 TRIPLES = "triples.tsv"
 CONFIG = "config.json"
+# Name index (optional; written by save(), rebuilt in memory where absent): a MARISA trie of
+# names and aliases and the entity id of each trie key, both memory-mapped, so a store of 16 M
+# entities answers id_of() in microseconds right after load().
+NAME_INDEX = "names.marisa"
+NAME_INDEX_IDS = "names.ids.npy"
 _KEY = "embeddings"
 
 
@@ -65,8 +71,8 @@ class KnowledgeStore:
         self._relation_names = relation_names
         self._aliases = aliases
         self._triples = triples
-        self._index: dict[str, int] | None = None
-        self._norm_index: dict[str, int] | None = None
+        self._index: tuple[Any, Any] | None = None
+        self._norm_index: tuple[Any, Any] | None = None
         self._facts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- construction
@@ -141,12 +147,21 @@ class KnowledgeStore:
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> Path:
         """Write the store folder (each file atomically); returns the folder path."""
+        import numpy as np
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         with atomic_open(path / ENTITIES, "w", encoding="utf-8") as f:
             f.write("id\tname\taliases\n")
-            for i, (name, al) in enumerate(zip(self.entity_names, self.aliases, strict=True)):
-                f.write(f"{i}\t{name}\t{'|'.join(al)}\n")
+            # One write per 1 M lines: a line-by-line write costs minutes for 16 M entities.
+            rows = zip(self.entity_names, self.aliases, strict=True)
+            for begin in range(0, len(self), 1 << 20):
+                f.write(
+                    "".join(
+                        f"{i}\t{name}\t{'|'.join(al)}\n"
+                        for i, (name, al) in enumerate(itertools.islice(rows, 1 << 20), start=begin)
+                    )
+                )
         with atomic_open(path / RELATIONS, "w", encoding="utf-8") as f:
             f.write("id\tname\n")
             for i, name in enumerate(self.relation_names):
@@ -154,11 +169,18 @@ class KnowledgeStore:
         meta = {"format": "rapiddiff.KnowledgeStore"}
         save_safetensors({_KEY: self.entity_vectors}, path / ENTITY_EMBEDDINGS, metadata=meta)
         save_safetensors({_KEY: self.relation_vectors}, path / RELATION_EMBEDDINGS, metadata=meta)
-        ents, rels = self.entity_names, self.relation_names
-        with atomic_open(path / TRIPLES, "w", encoding="utf-8") as f:
-            f.write("# head\trelation\ttail\n")
-            for h, r, t in self.triples.tolist():
-                f.write(f"{ents[h]}\t{rels[r]}\t{ents[t]}\n")
+        write_triples_array(
+            path / TRIPLES,
+            self.triples.numpy(),
+            self.entity_names,
+            self.relation_names,
+            header="head\trelation\ttail",
+        )
+        trie, ids = self._name_index()
+        with atomic_open(path / NAME_INDEX, "wb") as f:
+            trie.write(f)
+        with atomic_open(path / NAME_INDEX_IDS, "wb") as f:
+            np.save(f, ids, allow_pickle=False)
         config = {
             **self.config,
             "format_version": FORMAT_VERSION,
@@ -246,19 +268,29 @@ class KnowledgeStore:
         if not file.is_file():
             log.warning("%s: no %s; the store has no facts", self.path, TRIPLES)
             return torch.empty(0, 3, dtype=torch.long)
-        from rapiddiff.kg.triples import KGFormatError, read_triples
+        import numpy as np
 
-        ent = {n: i for i, n in enumerate(self.entity_names)}
-        rel = {n: i for i, n in enumerate(self.relation_names)}
-        ids = []
-        for h, r, t in read_triples(file):
-            try:
-                ids.append((ent[h], rel[r], ent[t]))
-            except KeyError as err:
+        from rapiddiff.kg.triples import KGFormatError, read_triples_array
+
+        ids, file_entities, file_relations = read_triples_array(file)
+        columns = []
+        for column, names, ours, what in (
+            (0, file_entities, self.entity_names, "entity"),
+            (1, file_relations, self.relation_names, "relation"),
+            (2, file_entities, self.entity_names, "entity"),
+        ):
+            # The file's ids are its names in sorted order; map them onto the store's ids.
+            if names == ours:
+                columns.append(ids[:, column])
+                continue
+            to_ours = _ids_in(names, ours)
+            missing = np.flatnonzero(to_ours < 0)
+            if len(missing):
                 raise KGFormatError(
-                    f"{file}: triple ({h}, {r}, {t}) names {err} which the store does not have"
-                ) from None
-        return torch.tensor(ids, dtype=torch.long).reshape(-1, 3)
+                    f"{file}: a triple names the {what} {names[missing[0]]!r}, which the store does not have"
+                )
+            columns.append(to_ours[ids[:, column]])
+        return torch.from_numpy(np.stack(columns, axis=1))
 
     # ----------------------------------------------------------------- queries
     @property
@@ -276,24 +308,53 @@ class KnowledgeStore:
 
         On a clash a name beats an alias and the lower id wins.
         """
-        if self._index is None:
-            index: dict[str, int] = {}
-            for i, name in enumerate(self.entity_names):
-                index.setdefault(name, i)
-            for i, aliases in enumerate(self.aliases):
-                for a in aliases:
-                    index.setdefault(a, i)
-            self._index = index
-        hit = self._index.get(name_or_alias)
-        if hit is None:
-            from rapiddiff.kg.normalize import normalize
+        trie, ids = self._name_index()
+        key_id = trie.get(name_or_alias)
+        if key_id is not None:
+            return int(ids[key_id])
+        if self._norm_index is None:  # built only when an exact lookup misses
+            from rapiddiff.kg.linker import _surface_index
 
-            if self._norm_index is None:  # built only when an exact lookup misses
-                self._norm_index = {}
-                for form, i in self._index.items():
-                    self._norm_index.setdefault(normalize(form), i)
-            hit = self._norm_index.get(normalize(name_or_alias))
-        return hit
+            norm_trie, norm_ids, *_ = _surface_index(self._forms())
+            self._norm_index = (norm_trie, norm_ids)
+        from rapiddiff.kg.normalize import normalize
+
+        norm_trie, norm_ids = self._norm_index
+        key_id = norm_trie.get(normalize(name_or_alias.strip()))
+        return None if key_id is None else int(norm_ids[key_id])
+
+    def _forms(self) -> Iterator[tuple[str, int]]:
+        """(name or alias, entity id): names first, so a name beats another entity's alias."""
+        yield from ((name, i) for i, name in enumerate(self.entity_names))
+        yield from ((alias, i) for i, forms in enumerate(self.aliases) for alias in forms)
+
+    def _name_index(self) -> tuple[Any, Any]:
+        """(MARISA trie of names and aliases, entity id per trie key): the saved one, memory-mapped,
+        or one built now from the names (first form wins)."""
+        if self._index is None:
+            import numpy as np
+
+            if self.path is not None and (self.path / NAME_INDEX).is_file():
+                import marisa_trie
+
+                trie = marisa_trie.Trie()
+                trie.mmap(str(self.path / NAME_INDEX))
+                ids = np.load(self.path / NAME_INDEX_IDS, mmap_mode="r", allow_pickle=False)
+                if len(ids) != len(trie):
+                    raise ValueError(
+                        f"{self.path}: {NAME_INDEX_IDS} holds {len(ids)} ids for {len(trie)} names in "
+                        f"{NAME_INDEX}; delete both files to have them rebuilt"
+                    )
+            else:
+                import marisa_trie
+
+                forms = list(self._forms())
+                trie = marisa_trie.Trie([f for f, _ in forms])
+                ids = np.full(len(trie), -1, dtype=np.int32)
+                for form, i in reversed(forms):  # reversed: the first form of a key is written last
+                    ids[trie[form]] = i
+            self._index = (trie, ids)
+        return self._index
 
     def facts(self, entity_id: int) -> list[tuple[int, int]]:
         """(relation_id, tail_id) of every triple whose head is ``entity_id``."""
@@ -314,6 +375,15 @@ class KnowledgeStore:
         if i is None:
             raise KeyError(f"unknown entity {name_or_alias!r}")
         return self.entity_vectors[i]
+
+
+def _ids_in(names: list[str], ours: list[str]) -> Any:
+    """For each of ``names``, its index in ``ours`` (int64; -1 where absent), vectorised."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found = pc.index_in(pa.array(names, pa.large_string()), value_set=pa.array(ours, pa.large_string()))
+    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype("int64")
 
 
 def _read_table(file: Path, columns: int, expected_rows: int) -> list[list[str]]:

@@ -77,7 +77,6 @@ def test_private_jieba_leaves_global_dictionary_alone() -> None:
 
     linker = EntityLinker({"蓝莓番茄塔": 7})
     assert linker.link("一个蓝莓番茄塔") == [EntitySpan(2, 7, 7, "蓝莓番茄塔")]
-    assert linker.tokenizer is not jieba.dt
     assert "蓝莓番茄塔" not in jieba.lcut("一个蓝莓番茄塔", HMM=False)
 
 
@@ -101,7 +100,9 @@ def test_fused_segmentation_equals_jieba(linker: EntityLinker) -> None:
     # The linker's own pass must put word boundaries exactly where jieba.cut(HMM=False) does.
     import random
 
-    from rapiddiff.kg.linker import _JIEBA_BLOCK
+    import jieba
+
+    from rapiddiff.kg.linker import _JIEBA_BLOCK, _jieba_dictionary
 
     rng = random.Random(0)
     pieces = [
@@ -119,9 +120,16 @@ def test_fused_segmentation_equals_jieba(linker: EntityLinker) -> None:
     ]
     texts = ["南京市长江大桥", "他说的确实在理", "工信处女干事每月经过下属科室"]
     texts += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(60)]
-    tok = linker.tokenizer
+    freq, total = _jieba_dictionary()
     for text in texts:
         for block in _JIEBA_BLOCK.finditer(text):
+            # jieba itself, with the lexicon's forms found in the block added at the linker's
+            # frequencies (total kept: the linker adds words per block, not to the whole dictionary)
+            tok = jieba.Tokenizer()
+            tok.FREQ, tok.total, tok.initialized = dict(freq), total, True
+            for word in linker.block_words(block.group()):
+                tok.add_word(word, freq=int(linker.word_frequency(word)))
+            tok.total = total
             ends, offset = [], 0
             for word in tok.cut(block.group(), HMM=False):
                 offset += len(word)
@@ -139,3 +147,73 @@ def test_surface_with_characters_outside_jieba_blocks() -> None:
         ("蒙娜丽莎", 2),
     ]
     assert [s.surface for s in linker.link("学C++很难")] == ["C++"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "达·芬奇画了蒙娜丽莎",  # U+00B7, the form in the lexicon
+        "達・芬奇画了蒙娜丽莎",  # U+30FB katakana middle dot, traditional 達
+        "达•芬奇画了蒙娜丽莎",  # U+2022 bullet
+        "达‧芬奇画了蒙娜丽莎",  # U+2027 hyphenation point
+        "达･芬奇画了蒙娜丽莎",  # U+FF65 half-width katakana middle dot
+    ],
+)
+def test_middle_dot_family_matches(text: str) -> None:
+    linker = EntityLinker({"达·芬奇": 0, "蒙娜丽莎": 1})
+    spans = linker.link(text)
+    assert [(s.start, s.end, s.entity_id) for s in spans] == [(0, 4, 0), (6, 10, 1)]
+    assert spans[0].surface == text[:4]
+
+
+def test_decomposed_accents_match_composed_with_offsets_into_the_text() -> None:
+    import unicodedata
+
+    linker = EntityLinker({"Pokémon": 0, "Renée": 1, "番茄": 2})
+    decomposed = unicodedata.normalize("NFD", "喜欢Pokémon和番茄")
+    assert len(decomposed) == 13  # é is e + U+0301
+    spans = linker.link(decomposed)
+    assert [(s.start, s.end, s.entity_id, s.surface) for s in spans] == [
+        (2, 10, 0, decomposed[2:10]),
+        (11, 13, 2, "番茄"),
+    ]
+    # A decomposed name in the lexicon matches composed text the same way.
+    nfd = EntityLinker({unicodedata.normalize("NFD", "Renée"): 1})
+    assert [(s.start, s.end) for s in nfd.link("我是Renée。")] == [(2, 7)]
+
+
+def test_normalize_with_offsets_maps_back() -> None:
+    import unicodedata
+
+    from rapiddiff.kg.normalize import normalize_with_offsets, original_span
+
+    text = unicodedata.normalize("NFD", "Éa・b")
+    norm, offsets = normalize_with_offsets(text)
+    assert norm == "éa·b"
+    assert original_span(offsets, 0, 1) == (0, 2)
+    assert original_span(offsets, 1, 4) == (2, 5)
+    assert normalize_with_offsets("达·芬奇")[1] is None  # composed text: offsets carry over
+
+
+def test_suggested_frequency_is_jiebas() -> None:
+    import jieba
+
+    from rapiddiff.kg.linker import _jieba_dictionary, suggested_frequency
+
+    freq, total = _jieba_dictionary()
+    tok = jieba.Tokenizer()
+    tok.FREQ, tok.total, tok.initialized = dict(freq), total, True
+    for word in ["番茄酱", "蓝莓番茄塔", "北京大学", "达·芬奇", "x"]:
+        assert suggested_frequency(word) == tok.suggest_freq(word, tune=False), word
+
+
+def test_large_lexicon_from_pairs_and_clashes() -> None:
+    # (form, id) pairs instead of a dict (what from_store passes for millions of names); the
+    # first of two forms that normalise alike wins.
+    pairs = [(f"名字{i}号", i) for i in range(5000)] + [("ＡＢＣ", 7), ("abc", 8)]
+    linker = EntityLinker(iter(pairs))
+    assert len(linker) == 5001
+    assert [(s.surface, s.entity_id) for s in linker.link("见到名字42号和abc")] == [
+        ("名字42号", 42),
+        ("abc", 7),
+    ]

@@ -127,3 +127,18 @@ def test_damaged_name_table_is_reported_on_first_use(tmp_path: Path) -> None:
     (store_dir / "entities.tsv").write_text("\n".join([*lines[:2], "1\tx"]) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"entities.tsv:3: expected 3 tab-separated columns"):
         _ = KnowledgeStore.load(store_dir).aliases
+
+
+def test_name_index_is_saved_memory_mapped_and_rebuilt_when_missing(tmp_path: Path) -> None:
+    from rapiddiff.kg.store import NAME_INDEX, NAME_INDEX_IDS
+
+    folder = _store().save(tmp_path / "kg")
+    assert (folder / NAME_INDEX).is_file() and (folder / NAME_INDEX_IDS).is_file()
+    saved = KnowledgeStore.load(folder)
+    assert [saved.id_of(n) for n in ("番茄", "西红柿", "蕃茄", "香蕉", "abc公司")] == [0, 0, 0, 3, 4]
+    assert saved._entity_names is None  # an exact hit needs only the index, not entities.tsv
+    assert [saved.id_of(n) for n in ("ａｂｃ", "西紅柿", "没有")] == [4, 0, None]  # normalised, or unknown
+    (folder / NAME_INDEX).unlink()
+    (folder / NAME_INDEX_IDS).unlink()
+    rebuilt = KnowledgeStore.load(folder)
+    assert [rebuilt.id_of(n) for n in ("番茄", "西红柿", "香蕉", "abc公司", "ａｂｃ")] == [0, 0, 3, 4, 4]

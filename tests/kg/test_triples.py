@@ -81,3 +81,39 @@ def test_write_then_read_round_trips(tmp_path: Path) -> None:
     assert read_triples(tmp_path / "t.tsv") == triples
     with pytest.raises(ValueError, match="cannot be written"):
         write_triples(tmp_path / "u.tsv", [("a\tb", "r", "c")])
+
+
+def test_read_triples_array_fast_and_small_paths_agree(tmp_path, monkeypatch) -> None:
+    """The pyarrow reader (large files) and the plain one (small files) give the same ids and
+    names as pykeen's labelling of read_triples, and the writer writes what read_triples reads."""
+    import numpy as np
+    from pykeen.triples import TriplesFactory
+
+    from rapiddiff.kg import triples as T
+
+    path = tmp_path / "t.tsv"
+    path.write_text(
+        "\ufeff番茄\t颜色\t红色\n# comment\n# a\tb\tc\n\n  香蕉 \t颜色\t黄色\r\n番茄\t颜色\t红色\n香蕉\t形状\t长条\n   \n",
+        encoding="utf-8",
+    )
+    exact = T.read_triples(path)
+    small = T.read_triples_array(path)
+    monkeypatch.setattr(T, "_SMALL_FILE", 0)
+    large = T.read_triples_array(path)
+    factory = TriplesFactory.from_labeled_triples(np.asarray(exact, dtype=str))
+    for ids, entities, relations in (small, large):
+        assert ids.tolist() == [
+            [e.index(h), r.index(rel), e.index(t)] for e, r in [(entities, relations)] for h, rel, t in exact
+        ]
+        assert sorted(ids.tolist()) == factory.mapped_triples.tolist()  # pykeen sorts them
+        assert entities == list(factory.entity_to_id) and relations == list(factory.relation_to_id)
+    out = tmp_path / "out.tsv"
+    T.write_triples_array(out, large[0], large[1], large[2], header="x", chunk=2)
+    assert T.read_triples(out) == exact
+    for bad, message in (
+        (b"a\tb\tc\nd\te\n", ":2: expected 3"),
+        (b"a\tb\tc\nd\xff\te\tf\n", ":2: not valid UTF-8"),
+    ):
+        path.write_bytes(bad)
+        with pytest.raises(T.KGFormatError, match=message):
+            T.read_triples_array(path)
