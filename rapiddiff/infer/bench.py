@@ -189,7 +189,8 @@ def make_runner(
             apply_recipe(pipe)
 
         def run(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
-            gen = torch.Generator(device).manual_seed(cfg.seed)
+            # rapiddiff's seed rule: image k from its own CPU generator seeded seed + k.
+            gen = [torch.Generator("cpu").manual_seed(cfg.seed + k) for k in range(batch)]
             out = pipe([PROMPT] * batch, generator=gen, output_type=output_type, **prompt_kw).images
             if output_type == "latent":
                 return None, out.float()
@@ -209,7 +210,7 @@ def make_runner(
     fast = accelerate(pipe, config)
 
     def run_fast(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
-        out = fast([PROMPT] * batch, seed=cfg.seed, output_type="np", **prompt_kw)
+        out = fast([PROMPT] * batch, seed=cfg.seed, output_type="np", progress=False, **prompt_kw)
         return out.images, out.latents
 
     return run_fast, fast
@@ -284,6 +285,7 @@ def bench_one(
             output_type="np",
             num_inference_steps=cfg.steps,
             guidance_scale=cfg.guidance,
+            progress=False,
         )
         row.stages = {k: round(v * 1e3, 2) for k, v in out.seconds.items()}
     key = f"b{batch}"
@@ -346,6 +348,7 @@ def _child(spec: str) -> None:
         "guidance_scale": cfg.guidance,
         "seed": cfg.seed,
         "output_type": "np",
+        "progress": False,
     }
     fast([PROMPT], **kw)
     first = time.time()
@@ -483,6 +486,7 @@ def profile_fast(cfg: BenchConfig, device: torch.device, path: Path) -> str:
         "guidance_scale": cfg.guidance,
         "seed": cfg.seed,
         "output_type": "np",
+        "progress": False,
     }
     fast([PROMPT], **kw)
     fast([PROMPT], **kw)
@@ -495,7 +499,7 @@ def profile_fast(cfg: BenchConfig, device: torch.device, path: Path) -> str:
         us = float(getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0)
         if us > 0:
             families[_family(evt.key)] = families.get(_family(evt.key), 0.0) + us / 1e3
-    plan = fast._plan(cfg.steps)
+    plan = fast.denoiser.plan_for(fast.scheduler, cfg.steps)
     evals = plan if isinstance(plan, str) else plan.num_evaluations
     summary = f"GPU time of one image by kernel family (ms; U-Net ×{evals} evaluations + decode + text):\n"
     summary += "\n".join(f"  {k:<28} {v:8.2f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1]))
