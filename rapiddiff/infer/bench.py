@@ -183,7 +183,6 @@ def make_runner(
 ) -> tuple[Callable[[int, str], tuple[Any, torch.Tensor | None]], Any]:
     """Apply ``variant`` to ``pipe``; return run(batch, output_type) → (images np, latents or None)."""
     prompt_kw = {"num_inference_steps": cfg.steps, "guidance_scale": cfg.guidance}
-    device = pipe.device
     if variant in ("eager", "recipe"):
         if variant == "recipe":
             apply_recipe(pipe)

@@ -82,6 +82,8 @@ def _diffusers(folder, task: str, scheduler: str, seed: int, images: dict) -> np
 
 
 def _ours(pipe: RapidDiffusionPipeline, task: str, scheduler: str, seed, images: dict, **kw):
+    if isinstance(seed, list):
+        kw["num_images_per_prompt"] = len(seed)
     return pipe(
         PROMPT,
         NEGATIVE,

@@ -194,5 +194,9 @@ def test_sampling_defaults_round_trip(saved, tmp_path):
     assert bundle.sampling is None
     bundle.sampling = {"num_inference_steps": 25, "guidance_scale": 7.5, "scheduler": "pndm"}
     save_model_folder(bundle, tmp_path / "m")
-    assert read_rapiddiff_info(tmp_path / "m")["sampling"] == bundle.sampling
+    assert read_rapiddiff_info(tmp_path / "m")["sampling"] == bundle.sampling.to_dict()
     assert load_model_folder(tmp_path / "m").sampling == bundle.sampling
+    # ...and survive into the pipeline (from_bundle), which uses them when a call does not say.
+    pipe = RapidDiffusionPipeline.from_pretrained(tmp_path / "m")
+    assert pipe.sampling == bundle.sampling
+    assert pipe("x", seed=0, output_type="latent", progress=False).metadata[0]["steps"] == 25
