@@ -26,18 +26,7 @@ from typing import Any, Literal
 from rapiddiff.models.lora import FUSION_FILE, INFO_FILE, LORA_WEIGHTS, TEXT_LORA_FILE
 from rapiddiff.train.common import OptimConfig, RapidCLI, run_cli
 from rapiddiff.train.data import ImageTextData
-from rapiddiff.train.speed import SpeedConfig
-from rapiddiff.train.unet import (
-    _EMA,
-    _LOSS,
-    _SAMPLING,
-    _SPEED,
-    DiffusionLoss,
-    EMAConfig,
-    LatentDiffusion,
-    SamplingConfig,
-    TrainableName,
-)
+from rapiddiff.train.unet import EMAConfig, LatentDiffusion, TrainableName
 from rapiddiff.utils.io import atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -73,6 +62,7 @@ class LoraSettings:
 
 _LORA = LoraSettings()
 _FINETUNE_OPTIM = OptimConfig(lr=1e-4, warmup_steps=100)
+_FINETUNE_EMA = EMAConfig()
 
 
 class FineTune(LatentDiffusion):
@@ -85,14 +75,10 @@ class FineTune(LatentDiffusion):
         lora: adapter rank, alpha, dropout and target modules (mode lora).
         trainable: parts to train: "unet", "text_encoder" (both get adapters in LoRA mode) and
             "fusion" (the knowledge fusion, trained outright in either mode).
-        knowledge: a KnowledgeStore folder to attach when the start has none.
-        loss: prediction type, caption dropout, min-SNR, noise offset.
-        optim: AdamW and its learning-rate schedule.
-        ema: EMA of the trained weights; null = off (usual for LoRA).
-        sampling: validation prompts, seeds and sampler settings.
-        speed: gradient checkpointing, channels_last, torch.compile (fused QKV: full mode only).
-        cache_latents: encode every training image once at the start.
-        seed: seed for noise, timesteps and caption dropout.
+        optim: AdamW and its learning-rate schedule (fine-tuning's lower default learning rate).
+        ema: EMA of the trained weights (the adapters in mode lora); null = off (usual for LoRA).
+        **kwargs: the other arguments of :class:`~rapiddiff.train.unet.LatentDiffusion` (knowledge,
+            loss, sampling, speed, cache_latents, seed), passed on as they are.
     """
 
     def __init__(
@@ -101,30 +87,21 @@ class FineTune(LatentDiffusion):
         mode: Literal["full", "lora"] = "lora",
         lora: LoraSettings = _LORA,
         trainable: Sequence[TrainableName] = ("unet",),
-        knowledge: str | None = None,
-        loss: DiffusionLoss = _LOSS,
         optim: OptimConfig = _FINETUNE_OPTIM,
-        ema: EMAConfig | None = _EMA,
-        sampling: SamplingConfig = _SAMPLING,
-        speed: SpeedConfig = _SPEED,
-        cache_latents: bool = False,
-        seed: int = 0,
+        ema: EMAConfig | None = _FINETUNE_EMA,
+        **kwargs: Any,
     ) -> None:
-        if mode == "lora" and speed.fuse_qkv:
+        speed = kwargs.get("speed")
+        if mode == "lora" and speed is not None and speed.fuse_qkv:
             raise ValueError(
                 "speed.fuse_qkv cannot be combined with mode: lora (the adapters sit on to_q/to_k/to_v)"
             )
         super().__init__(
             pretrained=pretrained,
-            knowledge=knowledge,
             trainable=trainable if mode == "full" else (),
-            loss=loss,
             optim=optim,
             ema=ema if mode == "full" else None,
-            sampling=sampling,
-            speed=speed,
-            cache_latents=cache_latents,
-            seed=seed,
+            **kwargs,
         )
         self.mode, self.lora_cfg, self.pretrained = mode, lora, pretrained
         if mode == "lora":

@@ -188,3 +188,41 @@ def test_one_seed_rule_on_every_path(tiny_folders, images):
         np.testing.assert_allclose(
             _ours(fast, task, "pndm", 9, images).images[0], batch[1], atol=1e-4, rtol=0
         )
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.6])
+def test_nine_channel_inpainting_unet_as_diffusers(tiny_folders, images, tmp_path, strength):
+    """A 9-channel inpainting U-Net (latents ‖ mask ‖ masked-image latents) gives diffusers' images."""
+    import shutil
+
+    from diffusers import UNet2DConditionModel
+
+    from rapiddiff.models.presets import unet_config
+
+    folder = tmp_path / "inpaint-model"
+    shutil.copytree(tiny_folders["clip"], folder)
+    torch.manual_seed(2)
+    UNet2DConditionModel(**{**unet_config("tiny"), "in_channels": 9}).save_pretrained(folder / "unet")
+    pipe = RapidDiffusionPipeline.from_pretrained(folder)
+    kw = {"init_image": images["init"], "mask_image": images["mask"], "strength": strength}
+    out = pipe(PROMPT, NEGATIVE, num_inference_steps=STEPS, seed=7, knowledge=False, output_type="np",
+               progress=False, **kw)  # fmt: skip
+    import diffusers
+
+    ref = diffusers.StableDiffusionInpaintPipeline.from_pretrained(
+        folder, safety_checker=None, requires_safety_checker=False
+    )
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(
+        PROMPT,
+        negative_prompt=NEGATIVE,
+        image=Image.open(images["init"]).convert("RGB"),
+        mask_image=Image.open(images["mask"]).convert("L"),
+        strength=strength,
+        height=16,
+        width=16,
+        num_inference_steps=STEPS,
+        generator=[torch.Generator("cpu").manual_seed(7)],
+        output_type="np",
+    ).images
+    torch.testing.assert_close(out.images, expected, atol=1e-5, rtol=1e-5)
