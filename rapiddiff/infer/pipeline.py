@@ -287,7 +287,8 @@ class RapidDiffusionPipeline:
 
         ``init``: the init image [1, 3, H, W] in [-1, 1] (img2img / inpainting); ``mask``
         [1, 1, H, W] in {0, 1} (1 = repaint). Image ``k``'s generator draws its init image's VAE
-        sample, then its noise, then (inpainting) its masked image's VAE sample — diffusers' order.
+        sample, then its noise, then (a 9-channel inpainting U-Net) its masked image's VAE sample —
+        diffusers' order; a 9-channel U-Net at strength 1 skips the first, as diffusers does.
         """
         import torch
 
@@ -303,11 +304,14 @@ class RapidDiffusionPipeline:
             noise = sampling.draw_noise(gens, shape, dtype).to(device)  # (N, C, h, w)
             return noise * scheduler.init_noise_sigma, noise, scheduler.timesteps, 0, gens, None
         timesteps, start = sampling.timesteps_for_strength(scheduler, steps, strength)
-        pixels = init.to(device=device, dtype=self.vae.dtype).expand(n, -1, -1, -1)
-        with torch.inference_mode():
-            image_latents = sampling.encode_images(self.vae, pixels, gens).to(dtype)  # (N, C, h, w)
-        noise = sampling.draw_noise(gens, shape, dtype).to(device)
         pure = mask is not None and strength == 1.0  # inpainting from pure noise, as diffusers does
+        concat = mask is not None and int(self.unet.config.in_channels) == 2 * channels + 1
+        image_latents = None
+        if not (pure and concat):  # a 9-channel U-Net from pure noise never needs the image's latents
+            pixels = init.to(device=device, dtype=self.vae.dtype).expand(n, -1, -1, -1)
+            with torch.inference_mode():
+                image_latents = sampling.encode_images(self.vae, pixels, gens).to(dtype)  # (N, C, h, w)
+        noise = sampling.draw_noise(gens, shape, dtype).to(device)
         if pure:
             latents = noise * scheduler.init_noise_sigma
         else:
@@ -315,7 +319,6 @@ class RapidDiffusionPipeline:
         inpaint = None
         if mask is not None:
             latent_mask = torch.nn.functional.interpolate(mask, size=shape[1:]).to(device=device, dtype=dtype)
-            concat = int(self.unet.config.in_channels) == 2 * channels + 1
             masked_latents = None
             if concat:  # a 9-channel inpainting U-Net also sees the masked image
                 masked = (init * (mask < 0.5)).to(device=device, dtype=self.vae.dtype).expand(n, -1, -1, -1)

@@ -205,7 +205,7 @@ class Inpaint:
     """What inpainting adds to the loop (tensors [N, ...] in the latent space)."""
 
     mask: torch.Tensor  # (N, 1, h, w): 1 where the image is repainted, 0 where it is kept
-    image_latents: torch.Tensor  # (N, C, h, w): the init image's latents
+    image_latents: torch.Tensor | None  # (N, C, h, w): the init image's latents (None: 9-channel from noise)
     noise: torch.Tensor  # (N, C, h, w): the noise the start latents were made with
     masked_image_latents: torch.Tensor | None = None  # (N, C, h, w): for a 9-channel U-Net
     concat: bool = False  # 9-channel U-Net: mask and masked image go into its input, no blending
