@@ -188,9 +188,16 @@ def make_runner(
             apply_recipe(pipe)
 
         def run(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
-            # rapiddiff's seed rule: image k from its own CPU generator seeded seed + k.
-            gen = [torch.Generator("cpu").manual_seed(cfg.seed + k) for k in range(batch)]
-            out = pipe([PROMPT] * batch, generator=gen, output_type=output_type, **prompt_kw).images
+            # rapiddiff's seed rule: image k's noise from its own CPU generator seeded seed + k, drawn
+            # in float32 (then cast), so every variant starts from the same latents.
+            from rapiddiff.models.sampling import draw_noise, generators
+
+            side = int(pipe.unet.config.sample_size)
+            shape = (int(pipe.unet.config.in_channels), side, side)
+            noise = draw_noise(generators([cfg.seed + k for k in range(batch)]), shape, pipe.unet.dtype)
+            out = pipe(
+                [PROMPT] * batch, latents=noise.to(pipe.device), output_type=output_type, **prompt_kw
+            ).images
             if output_type == "latent":
                 return None, out.float()
             return out, None

@@ -157,11 +157,15 @@ def generators(seeds: Sequence[int]) -> list[torch.Generator]:
 
 
 def draw_noise(gens: Sequence[torch.Generator], shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """One draw of ``shape`` ([C, h, w]) per generator, on the CPU → [N, C, h, w]
-    (what diffusers' ``randn_tensor`` draws with a list of generators)."""
+    """One draw of ``shape`` ([C, h, w]) per generator, on the CPU → [N, C, h, w] in ``dtype``
+    (what diffusers' ``randn_tensor`` draws with a list of generators).
+
+    Always drawn in float32, then cast: a CPU draw in float16 gives other numbers, and the seed
+    rule says an image depends on its seed, not on the dtype the model runs in. (diffusers draws
+    in the model's dtype: equal for float32 models.)"""
     import torch
 
-    return torch.cat([torch.randn((1, *shape), generator=g, dtype=dtype) for g in gens])
+    return torch.cat([torch.randn((1, *shape), generator=g, dtype=torch.float32) for g in gens]).to(dtype)
 
 
 def timesteps_for_strength(scheduler: Any, steps: int, strength: float) -> tuple[torch.Tensor, int]:
@@ -191,8 +195,8 @@ def encode_images(vae: nn.Module, pixels: torch.Tensor, gens: Sequence[torch.Gen
     out = []
     for k, gen in enumerate(gens):
         dist = vae.encode(pixels[k : k + 1].to(vae.dtype)).latent_dist
-        sample = torch.randn(dist.mean.shape, generator=gen, dtype=dist.mean.dtype)
-        out.append(dist.mean + dist.std * sample.to(dist.mean.device))  # (1, C, h, w)
+        sample = torch.randn(dist.mean.shape, generator=gen, dtype=torch.float32)  # float32: see draw_noise
+        out.append(dist.mean + dist.std * sample.to(dist.mean.device, dist.mean.dtype))  # (1, C, h, w)
     latents = torch.cat(out)
     shift = getattr(vae.config, "shift_factor", None)
     if shift is not None:
