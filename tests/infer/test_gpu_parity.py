@@ -7,7 +7,7 @@ How they are run (the device tool, one H100)::
     run(kind="nvidia-h100-x1", carry=[".whl", ".wt/genpath"], command=
         "source .wt/device_prelude.sh genpath && python -m pytest tests/infer/test_gpu_parity.py -q -m gpu")
 
-(carry also ".wt/device_prelude.sh"). Last run: H100, 2026-11-22 22:45 UTC, 29 passed, 2 skipped
+(carry also ".wt/device_prelude.sh"). Last run: H100, 2026-11-22 22:43 UTC, 29 passed, 2 skipped
 (compile checked on txt2img only); see BENCHMARKS.md ("One generation path: GPU parity").
 """
 
