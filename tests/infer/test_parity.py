@@ -29,6 +29,7 @@ SWITCHES = {
     "channels_last": {"channels_last": True, "loop": "eager"},
     "all-cpu": {"loop": "resident", "fuse_qkv": True, "cross_kv_cache": True, "channels_last": True},
 }
+_SINGLE = ("fuse_qkv", "cross_kv_cache", "channels_last")
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +117,16 @@ def test_same_image_as_diffusers(tiny_folders, images, task, scheduler):
         )
 
 
-@pytest.mark.parametrize("switch", list(SWITCHES))
-@pytest.mark.parametrize("task", TASKS)
+# The single switches on img2img / inpaint are also covered by "all-cpu": slow-marked, so the
+# `-m "not slow"` inner loop stays short; the full suite runs them.
+_SWITCH_CASES = [
+    pytest.param(task, switch, marks=[pytest.mark.slow] if task != "txt2img" and switch in _SINGLE else [])
+    for task in TASKS
+    for switch in SWITCHES
+]
+
+
+@pytest.mark.parametrize(("task", "switch"), _SWITCH_CASES)
 def test_fast_path_same_image_as_eager(tiny_folders, images, task, switch, caplog):
     """Every CPU-applicable fast-path switch gives the eager image, per task; inpainting and other
     runs the loop cannot express take the one eager loop on the transformed modules, with the reason logged."""
