@@ -20,8 +20,9 @@ FAST = ["--steps", "2", "--device", "cpu", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(write_tiny_sd_folder(tmp_path_factory.mktemp("m") / "sd", text="bert"))
+def model(tiny_model):
+    """The shared Taiyi-style tiny folder (tests/conftest.py), read only here."""
+    return str(tiny_model)
 
 
 def _pngs(folder):
