@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rapiddiff.data.kshapes import ENTITIES
     from rapiddiff.eval.knowledge import score_run
-    from rapiddiff.eval.sample import FastSampler, SampleSettings, generate, plan_jobs
+    from rapiddiff.eval.sample import SampleSettings, generate, plan_jobs
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.utils.device import resolve_device, resolve_dtype
 
@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_fast and device.type == "cuda":
         from rapiddiff.infer.accelerate import accelerate
 
-        paths["fast"] = FastSampler(pipe, accelerate(pipe))
+        # accelerate() transforms the pipeline it is given: the fast path gets its own copy.
+        fast = RapidDiffusionPipeline.from_pretrained(
+            model, device=device, dtype=resolve_dtype("auto", device)
+        )
+        paths["fast"] = accelerate(fast)
 
     prompts = [{"text": f"浅蓝色背景上有一个{e.name}"} for e in ENTITIES]
     rows = []

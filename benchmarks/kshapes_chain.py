@@ -375,6 +375,7 @@ def assemble_builtin_model(unet_dir: Path, upscaler: Path, data: Path, out: Path
     import torch
 
     from rapiddiff.models.bundle import load_model_folder, save_model_folder
+    from rapiddiff.models.sampling import SamplingDefaults
     from rapiddiff.models.upscaler import load_upscaler
     from rapiddiff.models.vocab import prune_vocabulary
 
@@ -383,7 +384,7 @@ def assemble_builtin_model(unet_dir: Path, upscaler: Path, data: Path, out: Path
     files = [data / split / "metadata.jsonl" for split in ("train", "val", "test")] + [data / "prompts.jsonl"]
     texts = [json.loads(line)["text"] for file in files for line in file.open(encoding="utf-8")]
     print(f"[chain] vocabulary: {prune_vocabulary(bundle.text_encoder, texts)}", flush=True)
-    bundle.sampling = {"num_inference_steps": steps, "guidance_scale": 7.5, "scheduler": "pndm"}
+    bundle.sampling = SamplingDefaults(num_inference_steps=steps, guidance_scale=7.5, scheduler="pndm")
     save_model_folder(bundle, out)
 
 

@@ -1,4 +1,5 @@
-"""Shared test setup: offline hubs, deterministic small torch, temporary folders."""
+"""Shared test setup: offline hubs, deterministic small torch, and the tiny model folders every
+stage's tests use (made once per session, saved in the real formats)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,52 @@ def _seeded_torch():
 
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory):
+    """Tiny SD 1.x-layout folders: "clip" (a CLIP text tower, as SD 1.x) and "bert" (Taiyi-style)."""
+    from rapiddiff.models.presets import write_tiny_sd_folder
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {text: write_tiny_sd_folder(root / text, text=text) for text in ("clip", "bert")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_folders):
+    """The Taiyi-style (BERT text tower) tiny model folder."""
+    return tiny_folders["bert"]
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe(tiny_model):
+    """An eager pipeline on the tiny model, shared: tests must not transform it (accelerate a fresh one)."""
+    from rapiddiff.infer.pipeline import RapidDiffusionPipeline
+
+    return RapidDiffusionPipeline.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def knowledge_model(tiny_model, tmp_path_factory):
+    """The tiny model with a KnowledgeStore of kshapes entities and non-zero fusion gates, saved
+    as a rapiddiff model folder: knowledge on and off give different images."""
+    import torch
+
+    from rapiddiff.data.kshapes import ENTITIES
+    from rapiddiff.kg.store import KnowledgeStore
+    from rapiddiff.models.bundle import load_model_folder, save_model_folder
+
+    names = [e.name for e in ENTITIES[:4]] + ["红色", "圆形"]
+    g = torch.Generator().manual_seed(1)
+    store = KnowledgeStore.from_arrays(
+        names,
+        ["颜色", "形状"],
+        torch.randn(len(names), 8, generator=g),
+        torch.randn(2, 8, generator=g),
+        [(0, 0, 4), (0, 1, 5)],
+    )
+    bundle = load_model_folder(tiny_model)
+    bundle.text_encoder.set_store(store)
+    with torch.no_grad():
+        bundle.text_encoder.fusion.gates.fill_(0.5)
+    return save_model_folder(bundle, tmp_path_factory.mktemp("knowledge-model") / "model")

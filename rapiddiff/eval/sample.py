@@ -297,75 +297,14 @@ def model_config(model_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-class FastSampler:
-    """The fast path (``rapiddiff.infer.accelerate``) behind the eager pipeline's call contract.
-
-    ``FastPipeline`` runs the pipeline's own scheduler and text encoder as they are, so the
-    sampler, the knowledge switch and the upscaler are applied around it here. Noise comes from
-    one CPU generator per seed, as the eager pipeline draws it, so a seed gives the same start
-    on both paths.
-    """
-
-    def __init__(self, pipe: Any, fast: Any) -> None:
-        self.pipe, self.fast = pipe, fast
-        self.fixed_batch = True  # see generate(): one batch shape, one compiled loop
-        self.text_encoder = pipe.text_encoder
-        self.device = getattr(fast, "device", None)
-        self._scheduler: str | None = None
-
-    def __call__(
-        self,
-        prompts: list[str],
-        negative_prompt: str | None = None,
-        *,
-        seed: Sequence[int],
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
-        height: int | None = None,
-        width: int | None = None,
-        scheduler: str = "pndm",
-        knowledge: bool = True,
-        upscale: bool = False,
-        progress: bool = False,
-    ) -> Any:
-        import torch
-
-        from rapiddiff.infer.pipeline import canonical_scheduler_name, make_scheduler, to_pil
-
-        name = canonical_scheduler_name(scheduler)
-        if name != self._scheduler:
-            self.pipe.scheduler = make_scheduler(name, self.pipe.scheduler.config)
-            self._scheduler = name
-        encoder = self.pipe.text_encoder
-        previous = getattr(encoder, "knowledge", None)
-        if previous is not None:
-            encoder.knowledge = knowledge
-        try:
-            out = self.fast(
-                list(prompts),
-                negative_prompt,
-                num_inference_steps=num_inference_steps,
-                guidance_scale=guidance_scale,
-                height=height,
-                width=width,
-                generator=[torch.Generator("cpu").manual_seed(int(s)) for s in seed],
-                output_type="np" if upscale else "pil",
-            )
-        finally:
-            if previous is not None:
-                encoder.knowledge = previous
-        images = out.images
-        if upscale:
-            pixels = torch.from_numpy(images).permute(0, 3, 1, 2).to(self.pipe.device)
-            images = to_pil(self.pipe.upscale(pixels).cpu().permute(0, 2, 3, 1).float().numpy())
-        return SimpleNamespace(images=images, seeds=list(seed), metadata=None)
-
-
 def _native_size(config: dict[str, Any]) -> int | None:
     """The model's image size (U-Net sample size × VAE factor), read from its configs: the
     reference images of ``--save-real`` are made at the size the model generates."""
+    from rapiddiff.models.sampling import default_size
+
     try:
-        return int(config["unet"]["sample_size"]) * 2 ** (len(config["vae"]["block_out_channels"]) - 1)
+        unet, vae = (SimpleNamespace(config=SimpleNamespace(**config[k])) for k in ("unet", "vae"))
+        return default_size(unet, vae)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -381,7 +320,7 @@ def load_pipeline(model: str | Path, *, device: str = "auto", dtype: str = "auto
         return pipe
     from rapiddiff.infer.accelerate import accelerate
 
-    return FastSampler(pipe, accelerate(pipe))
+    return accelerate(pipe)  # the same pipeline, its denoise stage the graph-captured loop
 
 
 # --- CLI ----------------------------------------------------------------------------------------
@@ -389,11 +328,11 @@ def load_pipeline(model: str | Path, *, device: str = "auto", dtype: str = "auto
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """Generation settings shared by ``eval sample`` and ``eval knowledge``."""
-    parser.add_argument("--steps", type=int, default=50, help="denoising steps (default: 50)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the model's, else 50)")
     parser.add_argument(
-        "--guidance", type=float, default=7.5, help="classifier-free guidance scale (default: 7.5)"
+        "--guidance", type=float, help="classifier-free guidance scale (default: the model's, else 7.5)"
     )
-    parser.add_argument("--scheduler", default="pndm", help="sampler (default: pndm, as SD 1.x)")
+    parser.add_argument("--scheduler", help="sampler: pndm, ddim or dpm++ (default: the model's, else pndm)")
     parser.add_argument("--height", type=int, help="image height (default: the model's)")
     parser.add_argument("--width", type=int, help="image width (default: the model's)")
     parser.add_argument("--negative-prompt", help="one negative prompt for every image")
@@ -425,21 +364,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knowledge", choices=("on", "off"), default="on", help="knowledge fusion (default: on)"
     )
-    parser.add_argument("--upscale", action="store_true", help="run the model's ×4 upscaler on every image")
+    parser.add_argument(
+        "--upscale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the model's ×4 upscaler on every image (default: on when the model has one, as generate)",
+    )
     add_sampling_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace, *, knowledge: bool) -> SampleSettings:
+    """The run's settings: flags win over the model folder's sampling defaults (rapiddiff.json),
+    which win over the library's — the rule ``rapiddiff generate`` follows, so both make one image."""
+    from rapiddiff.models.bundle import read_sampling
+    from rapiddiff.models.sampling import SamplingDefaults, canonical_scheduler_name
+
+    defaults = read_sampling(args.model) or SamplingDefaults()
+    upscale = getattr(args, "upscale", False)
+    if upscale is None:
+        upscale = (Path(args.model) / "upscaler").is_dir()
     return SampleSettings(
         model=str(args.model),
-        steps=args.steps,
-        guidance=args.guidance,
-        scheduler=args.scheduler,
+        steps=defaults.num_inference_steps if args.steps is None else args.steps,
+        guidance=defaults.guidance_scale if args.guidance is None else args.guidance,
+        scheduler=canonical_scheduler_name(args.scheduler or defaults.scheduler),
         height=args.height,
         width=args.width,
         negative_prompt=args.negative_prompt,
         knowledge=knowledge,
-        upscale=getattr(args, "upscale", False),
+        upscale=upscale,
         seed=args.seed,
         images_per_prompt=args.images_per_prompt,
         fast=args.fast,

@@ -1,26 +1,30 @@
 """``accelerate(pipe, ...)``: speed-ups applied from outside the model code, each one a switch.
 
-Works on a diffusers ``StableDiffusionPipeline`` and on rapiddiff's ``RapidDiffusionPipeline``
-(anything with ``unet``, ``vae``, ``scheduler``, ``text_encoder`` and an ``encode_prompt``). The
-model modules are changed in place (dtype, memory format, fused projections, attention
-processors, fp8 layers, ``torch.compile``); the returned :class:`FastPipeline` runs the
-GPU-resident denoising loop (one CUDA graph for the whole loop and the VAE decode) on top.
+It transforms *that* pipeline — a ``RapidDiffusionPipeline``, or a diffusers
+``StableDiffusionPipeline``, which is wrapped into one sharing its modules — and returns it:
+the model modules are changed in place (dtype, memory format, fused projections, attention
+processors, fp8 layers, ``torch.compile``) and the pipeline's denoise stage (``pipe.denoiser``)
+is swapped for :class:`GraphDenoiser`, the GPU-resident denoising loop (one CUDA graph for the
+whole loop and the VAE decode). Prompts, seeds (one CPU generator per image), samplers,
+knowledge, LoRA, img2img, upscaling and metadata stay the pipeline's own, so a call means the
+same image on both paths.
 
-Every switch reports what happened in ``FastPipeline.report``: ``"on"``, ``"off"``, or
-``"fallback: <reason>"`` (also logged) where it cannot apply here — no CUDA, an old GPU, a
-scheduler whose update is not linear, LoRA layers that are not merged.
+Every switch reports what happened in ``pipe.report``: ``"on"``, ``"off"``, or
+``"fallback: <reason>"`` (also logged) where it cannot apply here — no CUDA, an old GPU, LoRA
+layers that are not merged. A run the graph loop cannot express (a scheduler whose update is
+not linear, ``eta`` > 0, inpainting's per-pixel blending) runs the one eager loop of
+:mod:`rapiddiff.models.sampling` on the transformed modules, with the reason logged once.
 
     from rapiddiff.infer.accelerate import accelerate
-    fast = accelerate(pipe)                     # everything that pays, on this machine
-    image = fast("一只熊猫", seed=0).images[0]
-    fast.report                                 # {'attention': 'on (cudnn 4096×4096, ...)', ...}
+    pipe = accelerate(pipe)                     # everything that pays, on this machine
+    image = pipe("一只熊猫", seed=0).images[0]
+    pipe.report                                 # {'attention': 'on (cudnn 4096×4096, ...)', ...}
 """
 
 from __future__ import annotations
 
-import copy
-import time
-from dataclasses import asdict, dataclass, field
+import functools
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -41,6 +45,8 @@ from rapiddiff.infer.fast_plan import (
     clipped_ddim_plan,
     linear_plan,
 )
+from rapiddiff.infer.pipeline import DenoiseJob, RapidDiffusionPipeline
+from rapiddiff.models import sampling
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -110,78 +116,44 @@ class AccelerateConfig:
         return cls(**{**asdict(base), **overrides})
 
 
-@dataclass
-class FastOutput:
-    images: Any  # list of PIL images, or a float array (N, H, W, 3) in [0, 1] for output_type="np"
-    latents: torch.Tensor  # final latents (N, 4, h, w), float32
-    seconds: dict[str, float] = field(default_factory=dict)  # host wall time of each stage
-
-
-class _Adapter:
-    """The four things the fast path needs from a pipeline, for diffusers' and rapiddiff's."""
-
-    def __init__(self, pipe: Any) -> None:
-        self.pipe = pipe
-        from diffusers import DiffusionPipeline
-
-        self.diffusers = isinstance(pipe, DiffusionPipeline)
-
-    @property
-    def vae_scale_factor(self) -> int:
-        if hasattr(self.pipe, "vae_scale_factor"):
-            return int(self.pipe.vae_scale_factor)
-        return 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
-
-    def encode(
-        self,
-        prompts: list[str],
-        negative: list[str] | None,
-        per_prompt: int,
-        guidance: bool,
-        device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with torch.no_grad():
-            if self.diffusers:
-                cond, uncond = self.pipe.encode_prompt(prompts, device, per_prompt, guidance, negative)
-                return cond, uncond if guidance else None
-            cond, uncond = self.pipe.encode_prompt(prompts, negative, do_classifier_free_guidance=guidance)
-        cond = cond.repeat_interleave(per_prompt, dim=0)
-        uncond = uncond.repeat_interleave(per_prompt, dim=0) if guidance and uncond is not None else None
-        return cond, uncond
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents → images (N, 3, H, W) in [0, 1], on the GPU, inside the graph if there is one."""
-        vae = self.pipe.vae
-        scaled = latents / vae.config.scaling_factor
-        if getattr(vae.config, "shift_factor", None) is not None:
-            scaled = scaled + vae.config.shift_factor
-        scaled = scaled.to(vae.dtype)
-        image = vae.decode(scaled, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
-
-
-def accelerate(pipe: Any, config: AccelerateConfig | None = None, **switches: Any) -> FastPipeline:
-    """Apply the fast path to ``pipe`` (in place) and return a :class:`FastPipeline` that runs it.
+def accelerate(pipe: Any, config: AccelerateConfig | None = None, **switches: Any) -> RapidDiffusionPipeline:
+    """Apply the fast path to ``pipe`` (in place) and return it, with ``.report``.
 
     ``switches`` override fields of ``config`` (see :class:`AccelerateConfig`), e.g.
-    ``accelerate(pipe, fp8=True, compile_unet=None)``.
+    ``accelerate(pipe, fp8=True, compile_unet=None)``. A diffusers ``StableDiffusionPipeline``
+    comes back as a ``RapidDiffusionPipeline`` over the same modules.
     """
     config = AccelerateConfig(**{**asdict(config or AccelerateConfig()), **switches})
-    return FastPipeline(pipe, config)
+    if not isinstance(pipe, RapidDiffusionPipeline):
+        from diffusers import DiffusionPipeline
+
+        if not isinstance(pipe, DiffusionPipeline):
+            raise TypeError(
+                f"accelerate: expected a RapidDiffusionPipeline or a diffusers StableDiffusionPipeline, "
+                f"got {type(pipe).__name__}"
+            )
+        pipe = RapidDiffusionPipeline.from_diffusers(pipe)
+    denoiser = GraphDenoiser(pipe, config)
+    pipe.denoiser = denoiser
+    pipe.report = denoiser.report
+    return pipe
 
 
-class FastPipeline:
-    """A pipeline with the fast path applied; call it like the pipeline."""
+class GraphDenoiser:
+    """The fast denoise stage: applies the module transforms on creation, then runs each
+    :class:`~rapiddiff.infer.pipeline.DenoiseJob` on the GPU-resident loop (graph-captured on CUDA)."""
 
-    def __init__(self, pipe: Any, config: AccelerateConfig) -> None:
+    fixed_batch = True  # one captured loop per shape: callers that can (eval) keep batches full
+
+    def __init__(self, pipe: RapidDiffusionPipeline, config: AccelerateConfig) -> None:
         self.pipe, self.config = pipe, config
-        self.adapter = _Adapter(pipe)
         self.unet, self.vae = pipe.unet, pipe.vae
         self.device = next(self.unet.parameters()).device
         self.report: dict[str, str] = {}
         self._backends: dict[fast_attention.ShapeKey, str] = {}
         self._loops: dict[tuple, DenoiseLoop] = {}
         self._plans: dict[tuple, LinearPlan | ClippedDDIMPlan | str] = {}
+        self._eager_reasons: set[str] = set()
         self._cache_state = "none"
         self._apply()
 
@@ -304,14 +276,13 @@ class FastPipeline:
             self._set("compile_text_encoder", "off")
 
     # ---- running --------------------------------------------------------------------------------
-    def _plan(self, steps: int) -> LinearPlan | ClippedDDIMPlan | str:
-        """The GPU loop's plan for the pipeline's scheduler, or the reason there is none."""
-        scheduler = self.pipe.scheduler
-        key = (type(scheduler).__name__, str(dict(scheduler.config)), steps)
+    def plan_for(
+        self, scheduler: Any, steps: int, start: int = 0, scaled_start: bool = False
+    ) -> LinearPlan | ClippedDDIMPlan | str:
+        """The GPU loop's plan for this scheduler and schedule, or the reason there is none."""
+        key = (type(scheduler).__name__, str(dict(scheduler.config)), steps, start, scaled_start)
         if key not in self._plans:
-            self._plans[key] = _make_plan(scheduler, steps)
-            if isinstance(self._plans[key], str):
-                log.warning("accelerate: eager loop for %s: %s", type(scheduler).__name__, self._plans[key])
+            self._plans[key] = _make_plan(scheduler, steps, start, scaled_start)
         return self._plans[key]
 
     def _unet_fn(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, kv: Any) -> torch.Tensor:
@@ -333,75 +304,78 @@ class FastPipeline:
             picks = sorted({f"{q}×{k}/{d}: {b}" for (q, k, d), b in self._backends.items()})
             self.report["attention"] = "on, per shape (" + ", ".join(picks) + ")"
 
-    def __call__(
-        self,
-        prompt: str | list[str],
-        negative_prompt: str | list[str] | None = None,
-        *,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
-        height: int | None = None,
-        width: int | None = None,
-        seed: int | list[int] | None = None,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        num_images_per_prompt: int = 1,
-        output_type: str = "pil",
-    ) -> FastOutput:
-        times: dict[str, float] = {}
-        t0 = time.perf_counter()
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        negative = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else negative_prompt
-        guidance = guidance_scale > 1.0
-        sample_size = int(self.unet.config.sample_size) * self.adapter.vae_scale_factor
-        height, width = height or sample_size, width or sample_size
-        factor = self.adapter.vae_scale_factor
-        if height % factor or width % factor:
-            raise ValueError(f"height and width must be multiples of {factor}, got {height}×{width}")
-        batch = len(prompts) * num_images_per_prompt
+    def _why_eager(self, job: DenoiseJob) -> str | None:
+        """Why this job cannot run on the GPU loop (None: it can)."""
+        if self._loop_kind == "eager":
+            return None  # asked for: not a fallback
+        if job.inpaint is not None:
+            return "inpainting blends a per-pixel mask into every step, which the loop's coefficient table cannot express"
+        if job.step_kwargs.get("eta"):
+            return f"eta={job.step_kwargs['eta']} injects fresh noise at every step"
+        plan = self.plan_for(job.scheduler, job.steps, job.start, not job.pure_noise)
+        if isinstance(plan, str):
+            return f"{type(job.scheduler).__name__}: {plan}"
+        return None
 
-        cond, uncond = self.adapter.encode(prompts, negative, num_images_per_prompt, guidance, self.device)
-        context = torch.cat([uncond, cond]) if guidance else cond
+    def __call__(self, job: DenoiseJob, *, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one denoise (and decode) job → (latents [N, C, h, w] float32, images [N, 3, H, W] or None)."""
+        guidance = job.uncond is not None
+        context = torch.cat([job.uncond, job.cond]) if guidance else job.cond  # (2N or N, L, D)
         context = context.to(self.unet.dtype)
-        times["encode"] = time.perf_counter() - t0
-
-        noise_shape = (batch, int(self.unet.config.in_channels), height // factor, width // factor)
-        generator = _generators(generator, seed, batch, self.device)
-        from diffusers.utils.torch_utils import randn_tensor
-
-        noise = randn_tensor(noise_shape, generator=generator, device=self.device, dtype=self.unet.dtype)
-
-        t1 = time.perf_counter()
-        plan = self._plan(num_inference_steps)
+        reason = self._why_eager(job)
         with torch.no_grad():
-            if isinstance(plan, str) or self._loop_kind == "eager":
-                latents = self._eager_loop(noise, context, guidance_scale, num_inference_steps, guidance)
-                images = self.adapter.decode(latents)
-            else:
-                loop = self._get_loop(plan, noise_shape, tuple(context.shape), guidance)
-                try:
-                    latents, images = loop(noise, context, guidance_scale)
-                except RuntimeError as err:
-                    if not loop.use_graph:
-                        raise
-                    # Something in the loop is not capturable here: keep the speed we can, say why.
-                    self._set("loop", f"fallback: resident (CUDA graph capture failed: {str(err)[:200]})")
-                    self._loop_kind, loop.use_graph, loop.graph = "resident", False, None
-                    torch.cuda.synchronize()
-                    latents, images = loop(noise, context, guidance_scale)
+            if reason is not None or self._loop_kind == "eager":
+                if reason is not None and reason not in self._eager_reasons:
+                    self._eager_reasons.add(reason)
+                    log.warning("accelerate: eager loop (the transformed modules, no loop graph): %s", reason)
+                return self._eager(job, context, decode)
+            plan = self.plan_for(job.scheduler, job.steps, job.start, not job.pure_noise)
+            assert not isinstance(plan, str)
+            start = job.noise if job.pure_noise else job.latents  # what row 0 of the plan's basis holds
+            loop = self._get_loop(plan, tuple(start.shape), tuple(context.shape), guidance)
+            try:
+                latents, images = loop(start, context, job.guidance_scale)
+            except RuntimeError as err:
+                if not loop.use_graph:
+                    raise
+                # Something in the loop is not capturable here: keep the speed we can, say why.
+                self._set("loop", f"fallback: resident (CUDA graph capture failed: {str(err)[:200]})")
+                self._loop_kind, loop.use_graph, loop.graph = "resident", False, None
+                torch.cuda.synchronize()
+                latents, images = loop(start, context, job.guidance_scale)
         self._maybe_save_cache()
-        images = images.permute(0, 2, 3, 1).cpu().numpy()  # the one host synchronisation
-        times["denoise_decode"] = time.perf_counter() - t1
-        if output_type == "pil":
-            from diffusers.utils import numpy_to_pil
+        return latents, images if decode else None
 
-            images = numpy_to_pil(images)
-        elif output_type != "np":
-            raise ValueError(f"output_type must be 'pil' or 'np', got {output_type!r}")
-        times["total"] = time.perf_counter() - t0
-        return FastOutput(images=images, latents=latents, seconds=times)
+    def _eager(
+        self, job: DenoiseJob, context: torch.Tensor, decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one eager loop (rapiddiff.models.sampling.denoise) on the transformed modules."""
+        _, _, h, w = job.latents.shape
+        self._ensure_backends(context.shape[0], h, w, context.shape[1])
+        kv = self._kv_fn(context) if self.config.cross_kv_cache else None
+
+        def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+            return self._unet_fn(x, t, ctx, kv)
+
+        cond = job.cond.to(self.unet.dtype)
+        uncond = job.uncond.to(self.unet.dtype) if job.uncond is not None else None
+        latents = sampling.denoise(
+            model,
+            job.latents,
+            cond,
+            uncond,
+            job.scheduler,
+            job.timesteps,
+            job.guidance_scale,
+            extra_step_kwargs=job.step_kwargs,
+            inpaint=job.inpaint,
+            progress=job.progress,
+        )
+        images = sampling.decode(self.vae, latents) if decode else None
+        return latents.float(), images
 
     def _get_loop(
-        self, plan: LinearPlan, noise_shape: tuple, context_shape: tuple, guidance: bool
+        self, plan: LinearPlan | ClippedDDIMPlan, noise_shape: tuple, context_shape: tuple, guidance: bool
     ) -> DenoiseLoop:
         key = (noise_shape, context_shape, guidance, plan.num_evaluations, id(plan))
         if key not in self._loops:
@@ -419,30 +393,10 @@ class FastPipeline:
                 device=self.device,
                 guidance=guidance,
                 kv_fn=self._kv_fn if self.config.cross_kv_cache else None,
-                decode_fn=self.adapter.decode,
+                decode_fn=functools.partial(sampling.decode, self.vae),
                 graph=graph,
             )
         return self._loops[key]
-
-    def _eager_loop(
-        self, noise: torch.Tensor, context: torch.Tensor, scale: float, steps: int, guidance: bool
-    ) -> torch.Tensor:
-        """The scheduler's own loop on the host (the fallback for schedulers without a plan)."""
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        scheduler.set_timesteps(steps, device=self.device)
-        _, _, h, w = noise.shape
-        self._ensure_backends(context.shape[0], h, w, context.shape[1])
-        kv = self._kv_fn(context) if self.config.cross_kv_cache else None
-        latents = noise * scheduler.init_noise_sigma
-        for t in scheduler.timesteps:
-            x_in = torch.cat([latents] * 2) if guidance else latents
-            x_in = scheduler.scale_model_input(x_in, t)
-            out = self._unet_fn(x_in, t, context, kv)
-            if guidance:
-                uncond, cond = out.chunk(2)
-                out = uncond + scale * (cond - uncond)
-            latents = scheduler.step(out, t, latents, return_dict=False)[0]
-        return latents.float()
 
     def _maybe_save_cache(self) -> None:
         path = self.config.compile_cache
@@ -456,13 +410,15 @@ class FastPipeline:
         self._loops.clear()
 
 
-def _make_plan(scheduler: Any, steps: int) -> LinearPlan | ClippedDDIMPlan | str:
+def _make_plan(
+    scheduler: Any, steps: int, start: int = 0, scaled_start: bool = False
+) -> LinearPlan | ClippedDDIMPlan | str:
     try:
-        return linear_plan(scheduler, steps)
+        return linear_plan(scheduler, steps, start=start, scaled_start=scaled_start)
     except PlanUnsupported as err:
         reason = str(err)
     try:  # DDIM with clip_sample (diffusers' default for DDIM): its own GPU formula
-        return clipped_ddim_plan(scheduler, steps)
+        return clipped_ddim_plan(scheduler, steps, start=start)
     except PlanUnsupported:
         return reason
 
@@ -480,26 +436,9 @@ def _unmerged_lora(model: torch.nn.Module) -> bool:
     return any(isinstance(m, BaseTunerLayer) and not m.merged for m in model.modules())
 
 
-def _generators(
-    generator: torch.Generator | list[torch.Generator] | None,
-    seed: int | list[int] | None,
-    batch: int,
-    device: torch.device,
-) -> torch.Generator | list[torch.Generator] | None:
-    if generator is not None:
-        return generator
-    if seed is None:
-        return None
-    if isinstance(seed, int):
-        return torch.Generator(device).manual_seed(seed)
-    if len(seed) != batch:
-        raise ValueError(f"got {len(seed)} seeds for {batch} images; give one seed or one per image")
-    return [torch.Generator(device).manual_seed(s) for s in seed]
-
-
 def describe(report: dict[str, str]) -> str:
     """The report as one line a log or a table can carry."""
     return "; ".join(f"{k}: {v}" for k, v in report.items())
 
 
-__all__ = ["AccelerateConfig", "FastOutput", "FastPipeline", "accelerate", "describe"]
+__all__ = ["AccelerateConfig", "GraphDenoiser", "accelerate", "describe"]

@@ -183,14 +183,21 @@ def make_runner(
 ) -> tuple[Callable[[int, str], tuple[Any, torch.Tensor | None]], Any]:
     """Apply ``variant`` to ``pipe``; return run(batch, output_type) → (images np, latents or None)."""
     prompt_kw = {"num_inference_steps": cfg.steps, "guidance_scale": cfg.guidance}
-    device = pipe.device
     if variant in ("eager", "recipe"):
         if variant == "recipe":
             apply_recipe(pipe)
 
         def run(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
-            gen = torch.Generator(device).manual_seed(cfg.seed)
-            out = pipe([PROMPT] * batch, generator=gen, output_type=output_type, **prompt_kw).images
+            # rapiddiff's seed rule: image k's noise from its own CPU generator seeded seed + k, drawn
+            # in float32 (then cast), so every variant starts from the same latents.
+            from rapiddiff.models.sampling import draw_noise, generators
+
+            side = int(pipe.unet.config.sample_size)
+            shape = (int(pipe.unet.config.in_channels), side, side)
+            noise = draw_noise(generators([cfg.seed + k for k in range(batch)]), shape, pipe.unet.dtype)
+            out = pipe(
+                [PROMPT] * batch, latents=noise.to(pipe.device), output_type=output_type, **prompt_kw
+            ).images
             if output_type == "latent":
                 return None, out.float()
             return out, None
@@ -209,7 +216,7 @@ def make_runner(
     fast = accelerate(pipe, config)
 
     def run_fast(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
-        out = fast([PROMPT] * batch, seed=cfg.seed, output_type="np", **prompt_kw)
+        out = fast([PROMPT] * batch, seed=cfg.seed, output_type="np", progress=False, **prompt_kw)
         return out.images, out.latents
 
     return run_fast, fast
@@ -284,6 +291,7 @@ def bench_one(
             output_type="np",
             num_inference_steps=cfg.steps,
             guidance_scale=cfg.guidance,
+            progress=False,
         )
         row.stages = {k: round(v * 1e3, 2) for k, v in out.seconds.items()}
     key = f"b{batch}"
@@ -346,6 +354,7 @@ def _child(spec: str) -> None:
         "guidance_scale": cfg.guidance,
         "seed": cfg.seed,
         "output_type": "np",
+        "progress": False,
     }
     fast([PROMPT], **kw)
     first = time.time()
@@ -483,6 +492,7 @@ def profile_fast(cfg: BenchConfig, device: torch.device, path: Path) -> str:
         "guidance_scale": cfg.guidance,
         "seed": cfg.seed,
         "output_type": "np",
+        "progress": False,
     }
     fast([PROMPT], **kw)
     fast([PROMPT], **kw)
@@ -495,7 +505,7 @@ def profile_fast(cfg: BenchConfig, device: torch.device, path: Path) -> str:
         us = float(getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0)
         if us > 0:
             families[_family(evt.key)] = families.get(_family(evt.key), 0.0) + us / 1e3
-    plan = fast._plan(cfg.steps)
+    plan = fast.denoiser.plan_for(fast.scheduler, cfg.steps)
     evals = plan if isinstance(plan, str) else plan.num_evaluations
     summary = f"GPU time of one image by kernel family (ms; U-Net ×{evals} evaluations + decode + text):\n"
     summary += "\n".join(f"  {k:<28} {v:8.2f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1]))

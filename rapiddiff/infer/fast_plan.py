@@ -56,11 +56,21 @@ def _step(scheduler: Any, output: torch.Tensor, t: Any, sample: torch.Tensor) ->
     return scheduler.step(output, t, sample, return_dict=False)[0]
 
 
-def linear_plan(scheduler: Any, num_inference_steps: int, *, check: bool = True) -> LinearPlan:
+def linear_plan(
+    scheduler: Any,
+    num_inference_steps: int,
+    *,
+    start: int = 0,
+    scaled_start: bool = False,
+    check: bool = True,
+) -> LinearPlan:
     """Derive the coefficient table of ``scheduler`` for ``num_inference_steps`` (on the CPU).
 
-    Raises :class:`PlanUnsupported` when the scheduler's update is not linear in (sample, output).
-    The scheduler passed in is not touched (a deep copy runs).
+    ``start``: the run begins at ``timesteps[start]`` (img2img's strength), the scheduler told so
+    through ``set_begin_index`` as diffusers does. ``scaled_start``: row 0 of the basis is the
+    start latents themselves (a noised image) instead of unit noise to be scaled by
+    ``init_noise_sigma``. Raises :class:`PlanUnsupported` when the scheduler's update is not
+    linear in (sample, output). The scheduler passed in is not touched (a deep copy runs).
     """
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be ≥ 1, got {num_inference_steps}")
@@ -73,12 +83,11 @@ def linear_plan(scheduler: Any, num_inference_steps: int, *, check: bool = True)
             f"{type(scheduler).__name__} algorithm_type={config['algorithm_type']} injects noise"
         )
 
-    probe = copy.deepcopy(scheduler)
-    probe.set_timesteps(num_inference_steps, device="cpu")
-    timesteps = probe.timesteps.clone()
+    probe = _fresh(scheduler, num_inference_steps, start)
+    timesteps = probe.timesteps[start:].clone()
     n = int(timesteps.numel())
     eye = torch.eye(n + 1, dtype=torch.float64)
-    x = _as_vector(probe.init_noise_sigma, n + 1) * eye[0]
+    x = eye[0] if scaled_start else _as_vector(probe.init_noise_sigma, n + 1) * eye[0]
     rows, scales = [x], []
     try:
         for i, t in enumerate(timesteps):
@@ -99,8 +108,17 @@ def linear_plan(scheduler: Any, num_inference_steps: int, *, check: bool = True)
         coefs=torch.stack(rows),
     )
     if check:
-        _check_linear(scheduler, plan, num_inference_steps)
+        _check_linear(scheduler, plan, num_inference_steps, start, scaled_start)
     return plan
+
+
+def _fresh(scheduler: Any, num_inference_steps: int, start: int) -> Any:
+    """A deep copy of ``scheduler`` with its timesteps set, told to begin at ``start``."""
+    probe = copy.deepcopy(scheduler)
+    probe.set_timesteps(num_inference_steps, device="cpu")
+    if start and hasattr(probe, "set_begin_index"):
+        probe.set_begin_index(start)
+    return probe
 
 
 def _input_scale(x: torch.Tensor, scaled: torch.Tensor) -> float:
@@ -112,16 +130,17 @@ def _input_scale(x: torch.Tensor, scaled: torch.Tensor) -> float:
     return scale
 
 
-def _check_linear(scheduler: Any, plan: LinearPlan, num_inference_steps: int) -> None:
+def _check_linear(
+    scheduler: Any, plan: LinearPlan, num_inference_steps: int, start: int = 0, scaled_start: bool = False
+) -> None:
     """Replay the real scheduler on random tensors and compare with the table (float64)."""
     gen = torch.Generator().manual_seed(1234)
-    real = copy.deepcopy(scheduler)
-    real.set_timesteps(num_inference_steps, device="cpu")
+    real = _fresh(scheduler, num_inference_steps, start)
     noise = torch.randn(2, 3, generator=gen, dtype=torch.float64)
     outputs = torch.randn(plan.num_evaluations, 2, 3, generator=gen, dtype=torch.float64)
     basis = torch.cat([noise.reshape(1, -1), outputs.reshape(plan.num_evaluations, -1)])
-    x = noise * real.init_noise_sigma
-    for i, t in enumerate(real.timesteps):
+    x = noise if scaled_start else noise * real.init_noise_sigma
+    for i, t in enumerate(real.timesteps[start:]):
         real.scale_model_input(x, t)  # some schedulers track their step index here
         x = _step(real, outputs[i], t, x).to(torch.float64)
         predicted = (plan.coefs[i + 1] @ basis).reshape(2, 3)
@@ -153,8 +172,9 @@ class ClippedDDIMPlan:
         return int(self.timesteps.numel())
 
 
-def clipped_ddim_plan(scheduler: Any, num_inference_steps: int) -> ClippedDDIMPlan:
-    """The per-step constants of a clipping DDIM scheduler; raises :class:`PlanUnsupported` otherwise."""
+def clipped_ddim_plan(scheduler: Any, num_inference_steps: int, *, start: int = 0) -> ClippedDDIMPlan:
+    """The per-step constants of a clipping DDIM scheduler from ``timesteps[start]`` on (DDIM's
+    init_noise_sigma is 1: the start latents are used as they are); raises :class:`PlanUnsupported` otherwise."""
     name = type(scheduler).__name__
     config = getattr(scheduler, "config", {})
     if name != "DDIMScheduler" or not config.get("clip_sample", False):
@@ -169,18 +189,18 @@ def clipped_ddim_plan(scheduler: Any, num_inference_steps: int) -> ClippedDDIMPl
     final = float(probe.final_alpha_cumprod)
     ratio = probe.config.num_train_timesteps // probe.num_inference_steps
     rows = []
-    for t in probe.timesteps.tolist():
+    for t in probe.timesteps[start:].tolist():
         a_t = float(alphas[t])
         prev = t - ratio
         a_prev = float(alphas[prev]) if prev >= 0 else final
         rows.append([a_t**0.5, (1 - a_t) ** 0.5, a_prev**0.5, (1 - a_prev) ** 0.5])
     plan = ClippedDDIMPlan(
-        timesteps=probe.timesteps.clone(),
+        timesteps=probe.timesteps[start:].clone(),
         consts=torch.tensor(rows, dtype=torch.float64),
         clip=float(config.get("clip_sample_range", 1.0)),
         v_prediction=config.get("prediction_type") == "v_prediction",
     )
-    _check_ddim(scheduler, plan, num_inference_steps)
+    _check_ddim(scheduler, plan, num_inference_steps, start)
     return plan
 
 
@@ -199,14 +219,13 @@ def ddim_step(
     return sa_prev * x0 + s1ma_prev * eps
 
 
-def _check_ddim(scheduler: Any, plan: ClippedDDIMPlan, num_inference_steps: int) -> None:
+def _check_ddim(scheduler: Any, plan: ClippedDDIMPlan, num_inference_steps: int, start: int = 0) -> None:
     """Replay the real scheduler with outputs large enough to clip, and compare (float64)."""
     gen = torch.Generator().manual_seed(4321)
-    real = copy.deepcopy(scheduler)
-    real.set_timesteps(num_inference_steps, device="cpu")
+    real = _fresh(scheduler, num_inference_steps, start)
     x = torch.randn(2, 3, generator=gen, dtype=torch.float64) * 3
     ours = x.clone()
-    for i, t in enumerate(real.timesteps):
+    for i, t in enumerate(real.timesteps[start:]):
         out = torch.randn(2, 3, generator=gen, dtype=torch.float64) * 3
         x = real.step(out, t, x, return_dict=False)[0].to(torch.float64)
         ours = ddim_step(plan, plan.consts[i], ours, out)

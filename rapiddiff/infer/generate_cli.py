@@ -24,9 +24,13 @@ EPILOG = """examples:
   rapiddiff generate "一只熊猫" --model runs/kshapes-model --num-images 4 --seed 7 --out out/
   rapiddiff generate --prompts prompts.txt --scheduler dpm++ --steps 25 --no-upscale
   rapiddiff generate --from-png out/00001-7.png          # the same image again
+  rapiddiff generate "红色的番茄" --init-image photo.png --strength 0.6           # img2img
+  rapiddiff generate "一个香蕉" --init-image photo.png --mask mask.png            # inpainting (white = repaint)
+  rapiddiff generate "一只熊猫" --lora runs/finetune/lora/model:0.8              # a LoRA at 0.8
 
-Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size and model in
-text chunks; --from-png reads them back (flags given on the command line override them).
+Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size, model,
+upscaler file, LoRAs and init image / mask (path + sha256) in text chunks; --from-png reads them
+back (flags given on the command line override them) and refuses an init image that changed.
 Without --model, the built-in model in rapiddiff/assets/model/ is used (or $RAPIDDIFF_MODEL).
 """
 
@@ -104,6 +108,24 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="upscaler weights file or folder (instead of the model's upscaler/)",
     )
+    parser.add_argument(
+        "--init-image",
+        metavar="FILE",
+        help="img2img / inpainting: the image to start from (its size by default)",
+    )
+    parser.add_argument(
+        "--strength",
+        type=float,
+        help="with --init-image: how much to change it, 0–1 (default 0.8; 1.0 with --mask)",
+    )
+    parser.add_argument("--mask", metavar="FILE", help="inpainting: white where --init-image is repainted")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="DIR[:SCALE]",
+        help="apply a LoRA (a `train finetune` LoRA folder or a diffusers LoRA file) at SCALE (default 1); repeatable",
+    )
     parser.add_argument("--out", default="outputs", metavar="DIR", help="output folder (default ./outputs)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     parser.add_argument(
@@ -147,30 +169,30 @@ def check_writable(folder: Path) -> None:
 
 
 DEFAULT_SAMPLING: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}
+"""The library's sampling defaults (:class:`rapiddiff.models.sampling.SamplingDefaults`), as kwargs."""
 
 
 def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     """The sampling settings a model folder recommends (rapiddiff.json "sampling"), e.g. the
     built-in model's step count; only steps, guidance and scheduler are taken from it."""
-    from rapiddiff.infer.pipeline import canonical_scheduler_name
-    from rapiddiff.models.bundle import read_rapiddiff_info
+    from rapiddiff.models.bundle import read_rapiddiff_info, read_sampling
 
-    given = read_rapiddiff_info(model_dir).get("sampling") or {}
-    where = f"{Path(model_dir) / 'rapiddiff.json'}: sampling"
-    if not isinstance(given, dict):
-        raise ValueError(f'{where} must be an object like {{"num_inference_steps": 25}}')
-    defaults = {k: given[k] for k in ("num_inference_steps", "guidance_scale", "scheduler") if k in given}
-    steps = defaults.get("num_inference_steps", 1)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"{where}.num_inference_steps must be an integer ≥ 1, got {steps!r}")
-    if not isinstance(defaults.get("guidance_scale", 1.0), int | float):
-        raise ValueError(f"{where}.guidance_scale must be a number, got {defaults['guidance_scale']!r}")
-    if "scheduler" in defaults:
+    given = read_rapiddiff_info(model_dir).get("sampling")
+    defaults = read_sampling(model_dir)
+    if defaults is None:
+        return {}
+    return {k: v for k, v in defaults.to_dict().items() if k in given}
+
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """``DIR[:SCALE]`` → (path, scale); a colon followed by a number is the scale."""
+    path, sep, scale = text.rpartition(":")
+    if sep and path:
         try:
-            defaults["scheduler"] = canonical_scheduler_name(defaults["scheduler"])
-        except ValueError as err:
-            raise ValueError(f"{where}.scheduler: {err}") from err
-    return defaults
+            return path, float(scale)
+        except ValueError:
+            pass
+    return text, 1.0
 
 
 def _next_index(folder: Path) -> int:
@@ -192,10 +214,14 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         meta = read_png_metadata(args.from_png)
         if not meta:
             raise ValueError(f"--from-png: {args.from_png} holds no generation settings")
-        from_png = generation_kwargs(meta)
+        from_png = generation_kwargs(meta, where=args.from_png)
         prompts = [from_png.pop("prompt")]
         kwargs.update(from_png)
         png_model = meta.get("model_path")
+        if args.upscaler is None and meta.get("upscaler"):
+            args.upscaler = meta["upscaler"]
+        if not args.lora and meta.get("lora"):
+            args.lora = [f"{item['path']}:{item['scale']}" for item in meta["lora"]]
     given = _read_prompts(args)
     if given:
         prompts = given
@@ -212,6 +238,17 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.size:
         kwargs["height"], kwargs["width"] = args.size
+    if args.init_image:
+        kwargs["init_image"] = args.init_image
+        kwargs.pop("mask_image", None)  # a new init image: the PNG's mask belongs to the old one
+    if args.mask:
+        kwargs["mask_image"] = args.mask
+    if args.strength is not None:
+        kwargs["strength"] = args.strength
+    if "mask_image" in kwargs and "init_image" not in kwargs:
+        raise ValueError("--mask needs --init-image (the image whose masked part is repainted)")
+    if "strength" in kwargs and "init_image" not in kwargs:
+        raise ValueError("--strength needs --init-image (img2img or inpainting)")
     if args.no_knowledge:
         kwargs["knowledge"] = False
     if "scheduler" in kwargs:  # bad names fail before loading
@@ -245,13 +282,19 @@ def run(args: argparse.Namespace) -> int:
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.infer.png import make_readable
 
-    # Flags and --from-png win over the model folder's own defaults, which win over ours.
-    kwargs = {**DEFAULT_SAMPLING, **model_sampling_defaults(model_dir), **kwargs}
+    # Flags and --from-png win over the model folder's own defaults (pipe.sampling), which win over ours.
+    model_sampling_defaults(model_dir)  # a bad rapiddiff.json fails before the model loads
+    loras = [parse_lora(item) for item in args.lora]
+    for path, _ in loras:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"--lora: {path} not found")
 
     log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
     pipe = RapidDiffusionPipeline.from_pretrained(
         model_dir, device=device, dtype=dtype, upscaler=args.upscaler
     )
+    for path, scale in loras:  # before the fast path: LoRAs merge into the weights it transforms
+        pipe.load_lora(path, scale=scale)
     if args.fast:
         pipe.enable_fast()
     if kwargs.get("upscale") is None:

@@ -1,28 +1,40 @@
 """RapidDiffusionPipeline: prompt → knowledge text encoder → U-Net sampling → VAE → (ESRGAN ×4).
 
-The sampling loop is written out here, step by step, the way diffusers' StableDiffusionPipeline
-runs it (``set_timesteps`` → for each t: ``scale_model_input`` → U-Net → guidance → ``step``),
-so that (a) the KnowledgeTextEncoder's states plug straight into the U-Net's cross-attention and
-(b) with knowledge off, a diffusers SD 1.x or Taiyi folder gives diffusers' own images — a test
-compares them. Each stage is a public method, so the fast path (``rapiddiff.infer.accelerate``)
-can replace one (``denoise`` above all) without touching the rest:
+One way an image is made, in stages (the stage functions live in :mod:`rapiddiff.models.sampling`,
+which the training sample grids and evaluation call too)::
 
-    encode_prompt → prepare_latents → denoise → decode_latents → (upscale) → images
+    encode_prompt → prepare_latents → denoise → decode → (upscale) → images
 
-Seeds: image ``i`` is drawn from its own CPU ``torch.Generator`` seeded with ``seeds[i]``, so an
-image depends only on its seed and settings, never on the batch it was made in (nor on the
-device's random number generator).
+txt2img, img2img (``init_image=``, ``strength=``) and inpainting (``init_image=``, ``mask_image=``)
+differ only in how the latents are prepared and masked. With knowledge off, a diffusers SD 1.x or
+Taiyi folder gives diffusers' own images (``StableDiffusionPipeline``, ``…Img2ImgPipeline``,
+``…InpaintPipeline``) — tests compare them. The fast path (:func:`rapiddiff.infer.accelerate.accelerate`)
+transforms this pipeline's modules and swaps its denoise stage (``pipe.denoiser``) for the
+graph-captured loop; everything else — prompts, seeds, sampler, knowledge, LoRA, upscaling,
+metadata — stays here, so a call means the same on both paths.
+
+Seeds: image ``k`` is drawn from its own CPU ``torch.Generator`` seeded with ``seeds[k]`` (its
+init image's VAE sample, then its noise), so an image depends only on its seed and settings, never
+on the batch it was made in, the device or the path.
 """
 
 from __future__ import annotations
 
-import inspect
+import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapiddiff.models.sampling import (  # re-exported: the names users of this module know
+    SCHEDULERS,
+    SamplingDefaults,
+    canonical_scheduler_name,
+    check_size,
+    make_scheduler,
+    scheduler_choices,
+)
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -31,59 +43,9 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from rapiddiff.models.bundle import ModelBundle
+    from rapiddiff.models.sampling import Inpaint
 
 log = get_logger(__name__)
-
-# Sampler name → diffusers scheduler class, each built from the model folder's scheduler config
-# (the noise schedule it was trained with), as diffusers users swap them.
-SCHEDULERS: dict[str, str] = {
-    "pndm": "PNDMScheduler",
-    "ddim": "DDIMScheduler",
-    "dpm++": "DPMSolverMultistepScheduler",
-}
-_SCHEDULER_ALIASES = {"plms": "pndm", "dpmsolver++": "dpm++", "dpm-solver++": "dpm++", "dpmpp": "dpm++"}
-
-
-def scheduler_choices() -> list[str]:
-    return list(SCHEDULERS)
-
-
-def make_scheduler(name: str, config: Any) -> Any:
-    """A fresh diffusers scheduler of the named kind, on the noise schedule in ``config``."""
-    import diffusers
-
-    key = _SCHEDULER_ALIASES.get(name.lower(), name.lower())
-    if key not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler '{name}'; choose one of: {', '.join(SCHEDULERS)}")
-    return getattr(diffusers, SCHEDULERS[key]).from_config(config)
-
-
-def canonical_scheduler_name(name: str) -> str:
-    key = _SCHEDULER_ALIASES.get(name.lower(), name.lower())
-    if key not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler '{name}'; choose one of: {', '.join(SCHEDULERS)}")
-    return key
-
-
-def check_size(height: int, width: int, multiple: int) -> None:
-    """Both sides must be positive multiples of ``multiple``; the error names the nearest valid sizes."""
-    bad = [
-        (side, value)
-        for side, value in (("height", height), ("width", width))
-        if value % multiple or value <= 0
-    ]
-    if not bad:
-        return
-    hints = []
-    for side, value in bad:
-        lower = max(multiple, value // multiple * multiple)
-        upper = lower if lower >= value else lower + multiple
-        choices = sorted({lower, upper})
-        hints.append(f"{side} {value} → nearest valid: {' or '.join(map(str, choices))}")
-    raise ValueError(
-        f"image size {height}x{width} does not fit the model: sides must be multiples of {multiple} "
-        f"(VAE factor × U-Net downsampling); {'; '.join(hints)}"
-    )
 
 
 @dataclass
@@ -95,11 +57,43 @@ class GenerationOutput:
     prompts: list[str]
     negative_prompts: list[str]
     metadata: list[dict[str, Any]] = field(default_factory=list)
+    latents: Any = None
+    """The final latents [N, C, h, w] (float32), before decoding."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Host wall time of each stage (encode, denoise_decode, upscale, total)."""
+
+
+@dataclass
+class DenoiseJob:
+    """What the denoise stage gets: the start latents and everything the loop needs."""
+
+    latents: torch.Tensor  # (N, C, h, w) the start: noise × init_noise_sigma, or the noised image
+    noise: torch.Tensor  # (N, C, h, w) the unscaled noise (one CPU draw per seed)
+    pure_noise: bool  # latents == noise × init_noise_sigma (txt2img, or inpainting at strength 1)
+    cond: torch.Tensor  # (N, L, D)
+    uncond: torch.Tensor | None  # (N, L, D); None: no guidance
+    scheduler: Any  # set_timesteps (and set_begin_index) done
+    steps: int  # num_inference_steps the schedule was made for
+    timesteps: torch.Tensor  # the part of scheduler.timesteps this run walks
+    start: int  # index of timesteps[0] in scheduler.timesteps (img2img strength)
+    guidance_scale: float
+    step_kwargs: dict[str, Any]  # eta / generators for stochastic schedulers
+    inpaint: Inpaint | None = None
+    progress: bool = False
+
+
+@dataclass
+class _Source:
+    """An init image or mask: the pixels and where they came from (for the PNG metadata)."""
+
+    image: Image.Image
+    path: str | None
+    sha256: str
 
 
 class RapidDiffusionPipeline:
-    """Text-to-image with a KnowledgeTextEncoder; ``unet``, ``vae``, ``scheduler``,
-    ``text_encoder`` and ``upscaler`` are public and may be replaced."""
+    """Text-to-image, img2img and inpainting with a KnowledgeTextEncoder; ``unet``, ``vae``,
+    ``scheduler``, ``text_encoder``, ``upscaler`` and ``denoiser`` are public and may be replaced."""
 
     def __init__(
         self,
@@ -111,16 +105,21 @@ class RapidDiffusionPipeline:
         *,
         model_name: str = "model",
         model_path: Path | None = None,
+        sampling: SamplingDefaults | None = None,
     ) -> None:
         self.unet = unet
         self.vae = vae
         self.scheduler = scheduler  # the folder's own; each call builds a fresh one from its config
         self.text_encoder = text_encoder
         self.upscaler = upscaler
+        self.upscaler_path: str | None = None  # set when the upscaler came from a file, not the folder
         self.model_name = model_name
         self.model_path = model_path
+        self.sampling = sampling or SamplingDefaults()
         self.upscale_tile: int | None = 256  # input pixels per upscaler tile (bounded memory)
-        self.fast: Any = None  # set by enable_fast(): the accelerated sampling + decoding runner
+        self.denoiser: Any = None  # the denoise stage: None = eager; accelerate() sets the graph loop
+        self.report: dict[str, str] = {}  # what accelerate() did, switch by switch
+        self.loras: list[Any] = []  # LoRAs applied by load_lora, in order
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -133,6 +132,28 @@ class RapidDiffusionPipeline:
             bundle.upscaler,
             model_name=bundle.name,
             model_path=bundle.path,
+            sampling=bundle.sampling,
+        )
+
+    @classmethod
+    def from_diffusers(cls, pipe: Any) -> RapidDiffusionPipeline:
+        """Wrap a diffusers ``StableDiffusionPipeline`` (its modules, shared, not copied)."""
+        from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+        encoder = KnowledgeTextEncoder(pipe.text_encoder, pipe.tokenizer)
+        name = getattr(pipe, "name_or_path", None) or "diffusers"
+        # The pipeline's scheduler class becomes the default sampler (its config, clipping etc., is kept).
+        kinds = {cls_name: key for key, cls_name in SCHEDULERS.items()}
+        kind = kinds.get(type(pipe.scheduler).__name__)
+        if kind is None:
+            log.warning(
+                "%s is not one of rapiddiff's samplers (%s): pndm on its noise schedule is used",
+                type(pipe.scheduler).__name__,
+                ", ".join(SCHEDULERS),
+            )
+        sampling = SamplingDefaults(scheduler=kind or "pndm")
+        return cls(
+            pipe.unet, pipe.vae, pipe.scheduler, encoder, model_name=Path(str(name)).name, sampling=sampling
         )
 
     @classmethod
@@ -180,6 +201,22 @@ class RapidDiffusionPipeline:
         from rapiddiff.models.upscaler import load_upscaler
 
         self.upscaler = load_upscaler(path, device=self.device)
+        self.upscaler_path = str(Path(path).resolve())
+
+    # ------------------------------------------------------------------ LoRA
+    def load_lora(self, path: str | Path, scale: float = 1.0) -> None:
+        """Apply a LoRA (a ``train finetune`` LoRA folder or a diffusers-format LoRA file/folder)
+        at ``scale``, merged into the weights so every fast-path switch keeps working;
+        :meth:`unload_lora` restores the weights it changed."""
+        from rapiddiff.models.lora import apply_lora, read_lora
+
+        lora = read_lora(path)
+        self.loras.append(apply_lora(lora, self.unet, self.text_encoder, scale=scale))
+
+    def unload_lora(self) -> None:
+        """Undo every :meth:`load_lora`, last first: the weights are the model's own again."""
+        while self.loras:
+            self.loras.pop().restore()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -192,15 +229,26 @@ class RapidDiffusionPipeline:
 
     @property
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+        from rapiddiff.models.sampling import vae_scale_factor
+
+        return vae_scale_factor(self.vae)
 
     @property
     def size_multiple(self) -> int:
-        return self.vae_scale_factor * 2 ** (len(self.unet.config.block_out_channels) - 1)
+        from rapiddiff.models.sampling import size_multiple
+
+        return size_multiple(self.unet, self.vae)
 
     @property
     def default_size(self) -> int:
-        return int(self.unet.config.sample_size) * self.vae_scale_factor
+        from rapiddiff.models.sampling import default_size
+
+        return default_size(self.unet, self.vae)
+
+    @property
+    def fixed_batch(self) -> bool:
+        """Whether batches should keep one shape (a graph-captured loop per shape): eval pads them."""
+        return bool(getattr(self.denoiser, "fixed_batch", False))
 
     # ------------------------------------------------------------------ stages
     def encode_prompt(
@@ -211,12 +259,15 @@ class RapidDiffusionPipeline:
         do_classifier_free_guidance: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompts (and negative prompts, default "") → cond, uncond states [B, L, D] in the U-Net's dtype."""
+        import torch
+
         prompts = list(prompts)
-        cond = self.text_encoder.encode(prompts).to(device=self.device, dtype=self.dtype)  # (B, L, D)
-        if not do_classifier_free_guidance:
-            return cond, None
-        negatives = _per_prompt(negative, len(prompts), "negative_prompt")
-        uncond = self.text_encoder.encode(negatives).to(device=self.device, dtype=self.dtype)
+        with torch.inference_mode():
+            cond = self.text_encoder.encode(prompts).to(device=self.device, dtype=self.dtype)  # (B, L, D)
+            if not do_classifier_free_guidance:
+                return cond, None
+            negatives = _per_prompt(negative, len(prompts), "negative_prompt")
+            uncond = self.text_encoder.encode(negatives).to(device=self.device, dtype=self.dtype)
         return cond, uncond
 
     def prepare_latents(
@@ -225,67 +276,78 @@ class RapidDiffusionPipeline:
         height: int,
         width: int,
         scheduler: Any,
-        dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Generator]]:
-        """Initial noise [N, C, h, w], one CPU generator per seed (as diffusers draws with a list of generators)."""
-        import torch
-
-        dtype = dtype or self.dtype
-        shape = (
-            1,
-            self.unet.config.in_channels,
-            height // self.vae_scale_factor,
-            width // self.vae_scale_factor,
-        )
-        generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        noise = [torch.randn(shape, generator=g, dtype=dtype) for g in generators]
-        latents = torch.cat(noise).to(self.device)  # (N, C, h, w)
-        return latents * scheduler.init_noise_sigma, generators
-
-    def denoise(
-        self,
-        latents: torch.Tensor,
-        cond: torch.Tensor,
-        uncond: torch.Tensor | None,
-        timesteps: torch.Tensor,
-        guidance_scale: float,
+        steps: int,
         *,
-        scheduler: Any,
-        step_kwargs: dict[str, Any] | None = None,
-        progress: bool = True,
-    ) -> torch.Tensor:
-        """The sampling loop: for each t, ε = U-Net(x_t, t, text); CFG; x_{t-1} = scheduler.step.
+        dtype: torch.dtype,
+        init: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        strength: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, list[torch.Generator], Inpaint | None]:
+        """The start of the loop → (latents, noise, timesteps, start, generators, inpaint).
 
-        ``cond``/``uncond`` are [N, L, D] (one row per latent); ``uncond=None`` means no guidance.
-        ``scheduler`` has had ``set_timesteps`` called and ``timesteps`` is its ``.timesteps``.
+        ``init``: the init image [1, 3, H, W] in [-1, 1] (img2img / inpainting); ``mask``
+        [1, 1, H, W] in {0, 1} (1 = repaint). Image ``k``'s generator draws its init image's VAE
+        sample, then its noise, then (a 9-channel inpainting U-Net) its masked image's VAE sample —
+        diffusers' order; a 9-channel U-Net at strength 1 skips the first, as diffusers does.
         """
         import torch
-        from tqdm.auto import tqdm
 
-        step_kwargs = step_kwargs or {}
-        context = cond if uncond is None else torch.cat([uncond, cond])  # (2N, L, D) with guidance
-        with torch.inference_mode():
-            for t in tqdm(timesteps, desc="sampling", disable=not progress, leave=False):
-                model_input = latents if uncond is None else torch.cat([latents] * 2)
-                model_input = scheduler.scale_model_input(model_input, t)
-                noise = self.unet(model_input, t, encoder_hidden_states=context, return_dict=False)[0]
-                if uncond is not None:
-                    noise_uncond, noise_text = noise.chunk(2)
-                    noise = noise_uncond + guidance_scale * (noise_text - noise_uncond)
-                latents = scheduler.step(noise, t, latents, **step_kwargs, return_dict=False)[0]
-        return latents
+        from rapiddiff.models import sampling
+
+        gens = sampling.generators(seeds)
+        n, device = len(gens), self.device
+        factor = self.vae_scale_factor
+        channels = int(self.vae.config.latent_channels)
+        shape = (channels, height // factor, width // factor)
+        scheduler.set_timesteps(steps, device=device)
+        if init is None:
+            noise = sampling.draw_noise(gens, shape, dtype).to(device)  # (N, C, h, w)
+            return noise * scheduler.init_noise_sigma, noise, scheduler.timesteps, 0, gens, None
+        timesteps, start = sampling.timesteps_for_strength(scheduler, steps, strength)
+        pure = mask is not None and strength == 1.0  # inpainting from pure noise, as diffusers does
+        concat = mask is not None and int(self.unet.config.in_channels) == 2 * channels + 1
+        image_latents = None
+        if not (pure and concat):  # a 9-channel U-Net from pure noise never needs the image's latents
+            pixels = init.to(device=device, dtype=self.vae.dtype).expand(n, -1, -1, -1)
+            with torch.inference_mode():
+                image_latents = sampling.encode_images(self.vae, pixels, gens).to(dtype)  # (N, C, h, w)
+        noise = sampling.draw_noise(gens, shape, dtype).to(device)
+        if pure:
+            latents = noise * scheduler.init_noise_sigma
+        else:
+            latents = scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(n))
+        inpaint = None
+        if mask is not None:
+            latent_mask = torch.nn.functional.interpolate(mask, size=shape[1:]).to(device=device, dtype=dtype)
+            masked_latents = None
+            if concat:  # a 9-channel inpainting U-Net also sees the masked image
+                masked = (init * (mask < 0.5)).to(device=device, dtype=self.vae.dtype).expand(n, -1, -1, -1)
+                with torch.inference_mode():
+                    masked_latents = sampling.encode_images(self.vae, masked, gens).to(dtype)
+            inpaint = sampling.Inpaint(
+                mask=latent_mask.expand(n, -1, -1, -1),
+                image_latents=image_latents,
+                noise=noise,
+                masked_image_latents=masked_latents,
+                concat=concat,
+            )
+        return latents, noise, timesteps, start, gens, inpaint
+
+    def denoise(self, job: DenoiseJob, *, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The denoise stage (and the decode, which the graph loop captures with it) →
+        (latents [N, C, h, w], images [N, 3, H, W] in [0, 1] or None)."""
+        if self.denoiser is not None:
+            return self.denoiser(job, decode=decode)
+        return eager_denoise(self, job, decode=decode)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents → images [N, 3, H, W] in [0, 1] (float32)."""
         import torch
 
-        config = self.vae.config
-        latents = latents / config.scaling_factor
-        if getattr(config, "shift_factor", None) is not None:
-            latents = latents + config.shift_factor
+        from rapiddiff.models.sampling import decode
+
         with torch.inference_mode():
-            images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return (images / 2 + 0.5).clamp(0, 1).float()
+            return decode(self.vae, latents)
 
     def upscale(self, images: torch.Tensor) -> torch.Tensor:
         """Images [N, 3, H, W] in [0, 1] → ×scale through ``self.upscaler`` (tiled)."""
@@ -307,44 +369,76 @@ class RapidDiffusionPipeline:
         prompt: str | Sequence[str],
         negative_prompt: str | Sequence[str] | None = None,
         *,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
         height: int | None = None,
         width: int | None = None,
         seed: int | Sequence[int] | None = None,
         num_images_per_prompt: int = 1,
-        scheduler: str = "pndm",
+        scheduler: str | None = None,
         eta: float = 0.0,
-        upscale: bool = False,
+        upscale: bool | None = False,
         knowledge: bool | None = None,
+        init_image: str | Path | Image.Image | None = None,
+        strength: float | None = None,
+        mask_image: str | Path | Image.Image | None = None,
         output_type: Literal["pil", "np", "pt", "latent"] = "pil",
         progress: bool = True,
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
-        ``seed``: an int ``s`` gives image ``k`` the seed ``s + k``; a list gives every image its
-        own; ``None`` draws fresh seeds (returned in ``.seeds``, so any image can be remade).
-        ``knowledge``: fuse the KnowledgeStore's facts into the text states (``None``: as loaded);
-        ``False`` is the base text encoder exactly, the ablation switch.
+        ``num_inference_steps``, ``guidance_scale``, ``scheduler``: ``None`` takes the model
+        folder's sampling defaults (``self.sampling``). ``seed``: an int ``s`` gives image ``k``
+        the seed ``s + k``; a list gives every image its own; ``None`` draws fresh seeds (returned
+        in ``.seeds``). ``knowledge``: fuse the KnowledgeStore's facts into the text states
+        (``None``: as loaded); ``False`` is the base text encoder exactly, the ablation switch.
+        ``upscale``: ``None`` upscales when the model has an upscaler.
+
+        img2img: ``init_image`` (a path or PIL image) and ``strength`` (default 0.8: how far down
+        the schedule the image is noised). Inpainting: also ``mask_image`` (white = repaint;
+        ``strength`` default 1.0). Without ``height``/``width`` the init image's size is used
+        (rounded down to the model's size multiple); the image is resized to the size given.
         """
+        import time
+
+        from rapiddiff.models import sampling
+
+        started = time.perf_counter()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise ValueError("no prompt given")
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be ≥ 1, got {num_inference_steps}")
+        defaults = self.sampling
+        steps = defaults.num_inference_steps if num_inference_steps is None else int(num_inference_steps)
+        guidance = defaults.guidance_scale if guidance_scale is None else float(guidance_scale)
+        sched_name = canonical_scheduler_name(scheduler or defaults.scheduler)
+        if steps < 1:
+            raise ValueError(f"num_inference_steps must be ≥ 1, got {steps}")
         if num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be ≥ 1, got {num_images_per_prompt}")
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"unknown output_type '{output_type}'; choose pil, np, pt or latent")
+        if upscale is None:
+            upscale = self.upscaler is not None
         if upscale:
             self._require_upscaler()  # before any sampling is done
+        if mask_image is not None and init_image is None:
+            raise ValueError("mask_image needs init_image: the mask says which part of that image to repaint")
+        if strength is not None and init_image is None:
+            raise ValueError("strength needs init_image (img2img or inpainting)")
         for p in prompts:
             if not p.strip():
                 log.warning("empty prompt: the image is generated unconditionally (from noise alone)")
+        init = _source(init_image, "init_image", "RGB") if init_image is not None else None
+        mask = _source(mask_image, "mask_image", "L") if mask_image is not None else None
+        if init is not None:
+            strength = (1.0 if mask is not None else 0.8) if strength is None else float(strength)
+            if height is None and width is None:
+                m = self.size_multiple
+                w0, h0 = init.image.size
+                height, width = max(m, h0 // m * m), max(m, w0 // m * m)
         height = height or self.default_size
         width = width or self.default_size
         check_size(height, width, self.size_multiple)
-        sched_name = canonical_scheduler_name(scheduler)
         negatives = _per_prompt(negative_prompt, len(prompts), "negative_prompt")
         n = len(prompts) * num_images_per_prompt
         seeds = _seeds(seed, n)
@@ -354,90 +448,130 @@ class RapidDiffusionPipeline:
             knowledge = bool(previous)  # as the pipeline was loaded (on, unless loaded with knowledge=False)
         all_prompts = [p for p in prompts for _ in range(num_images_per_prompt)]
         all_negatives = [p for p in negatives for _ in range(num_images_per_prompt)]
-        settings = {
-            "steps": num_inference_steps,
-            "guidance": guidance_scale,
-            "scheduler": sched_name,
-            "height": height,
-            "width": width,
-            "knowledge": bool(knowledge and getattr(self.text_encoder, "store", None) is not None),
-            "upscale": bool(upscale),
-            "model": self.model_name,
-            # Absolute, so `rapiddiff generate --from-png` finds the model from any folder.
-            "model_path": str(Path(self.model_path).resolve()) if self.model_path is not None else None,
-        }
-        if eta:
-            settings["eta"] = eta
+        settings = self._settings(
+            steps, guidance, sched_name, height, width, knowledge, bool(upscale), eta, init, mask, strength
+        )
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
         ]
 
+        times: dict[str, float] = {}
         try:
             if previous is not None:
                 self.text_encoder.knowledge = knowledge
-            if self.fast is not None and output_type != "latent" and not eta:
-                images = self._fast_images(
-                    prompts, negatives, sched_name, seeds, num_inference_steps, guidance_scale, height, width,
-                    num_images_per_prompt,
-                )  # fmt: skip
-            else:
-                latents = self._sample(
-                    prompts, negatives, sched_name, seeds, num_inference_steps, guidance_scale, height, width,
-                    num_images_per_prompt, eta, progress,
-                )  # fmt: skip
-                if output_type == "latent":
-                    return GenerationOutput(latents, seeds, all_prompts, all_negatives, metadata)
-                images = self.decode_latents(latents)  # (N, 3, H, W) in [0, 1]
+            do_cfg = guidance > 1.0
+            cond, uncond = self.encode_prompt(prompts, negatives, do_classifier_free_guidance=do_cfg)
         finally:
             if previous is not None:
                 self.text_encoder.knowledge = previous
-        if upscale:
-            images = self.upscale(images)
-        return GenerationOutput(_convert(images, output_type), seeds, all_prompts, all_negatives, metadata)
-
-    def _sample(
-        self,
-        prompts: list[str],
-        negatives: list[str],
-        sched_name: str,
-        seeds: list[int],
-        steps: int,
-        guidance_scale: float,
-        height: int,
-        width: int,
-        per_prompt: int,
-        eta: float,
-        progress: bool,
-    ) -> torch.Tensor:
-        """The eager path: encode → noise → denoise; returns the final latents."""
-        sched = make_scheduler(sched_name, self.scheduler.config)
-        sched.set_timesteps(steps, device=self.device)
-        do_cfg = guidance_scale > 1.0
-        with _inference():
-            cond, uncond = self.encode_prompt(prompts, negatives, do_classifier_free_guidance=do_cfg)
         # One row per image, prompt by prompt: p0 img0, p0 img1, ..., p1 img0, ... (as diffusers orders them)
-        cond = cond.repeat_interleave(per_prompt, dim=0)
-        uncond = uncond.repeat_interleave(per_prompt, dim=0) if uncond is not None else None
-        latents, generators = self.prepare_latents(seeds, height, width, sched, dtype=cond.dtype)
-        return self.denoise(
-            latents,
-            cond,
-            uncond,
-            sched.timesteps,
-            guidance_scale,
+        cond = cond.repeat_interleave(num_images_per_prompt, dim=0)  # (N, L, D)
+        uncond = uncond.repeat_interleave(num_images_per_prompt, dim=0) if uncond is not None else None
+        times["encode"] = time.perf_counter() - started
+
+        t0 = time.perf_counter()
+        sched = make_scheduler(sched_name, self.scheduler.config)
+        init_pixels, mask_pixels = self._preprocess(init, mask, height, width)
+        latents, noise, timesteps, start, gens, inpaint = self.prepare_latents(
+            seeds, height, width, sched, steps, dtype=cond.dtype, init=init_pixels, mask=mask_pixels,
+            strength=strength or 1.0,
+        )  # fmt: skip
+        job = DenoiseJob(
+            latents=latents,
+            noise=noise,
+            pure_noise=init is None or (mask is not None and strength == 1.0),
+            cond=cond,
+            uncond=uncond,
             scheduler=sched,
-            step_kwargs=_step_kwargs(sched, generators, eta),
+            steps=steps,
+            timesteps=timesteps,
+            start=start,
+            guidance_scale=guidance,
+            step_kwargs=sampling.step_kwargs(sched, gens, eta),
+            inpaint=inpaint,
             progress=progress,
         )
+        latents, images = self.denoise(job, decode=output_type != "latent")
+        times["denoise_decode"] = time.perf_counter() - t0
+        latents = latents.float()
+        if output_type == "latent":
+            times["total"] = time.perf_counter() - started
+            return GenerationOutput(latents, seeds, all_prompts, all_negatives, metadata, latents, times)
+        assert images is not None
+        if upscale:
+            t0 = time.perf_counter()
+            images = self.upscale(images)
+            times["upscale"] = time.perf_counter() - t0
+        out = _convert(images, output_type)
+        times["total"] = time.perf_counter() - started
+        return GenerationOutput(out, seeds, all_prompts, all_negatives, metadata, latents, times)
+
+    def _settings(
+        self,
+        steps: int,
+        guidance: float,
+        sched_name: str,
+        height: int,
+        width: int,
+        knowledge: bool,
+        upscale: bool,
+        eta: float,
+        init: _Source | None,
+        mask: _Source | None,
+        strength: float | None,
+    ) -> dict[str, Any]:
+        """The settings every image of a call shares, as its PNG records them (--from-png remakes it)."""
+        settings: dict[str, Any] = {
+            "steps": steps,
+            "guidance": guidance,
+            "scheduler": sched_name,
+            "height": height,
+            "width": width,
+            "knowledge": bool(knowledge and getattr(self.text_encoder, "store", None) is not None),
+            "upscale": upscale,
+            "model": self.model_name,
+            # Absolute, so `rapiddiff generate --from-png` finds the model from any folder.
+            "model_path": str(Path(self.model_path).resolve()) if self.model_path is not None else None,
+        }
+        if upscale and self.upscaler_path is not None:
+            settings["upscaler"] = self.upscaler_path
+        if eta:
+            settings["eta"] = eta
+        if init is not None:
+            settings["task"] = "inpaint" if mask is not None else "img2img"
+            settings["strength"] = strength
+            settings["init_image"] = init.path
+            settings["init_image_sha256"] = init.sha256
+        if mask is not None:
+            settings["mask"] = mask.path
+            settings["mask_sha256"] = mask.sha256
+        if self.loras:
+            settings["lora"] = [{"path": lo.path, "scale": lo.scale} for lo in self.loras]
+        return settings
+
+    def _preprocess(
+        self, init: _Source | None, mask: _Source | None, height: int, width: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """PIL → init [1, 3, H, W] in [-1, 1] and mask [1, 1, H, W] in {0, 1}, resized as diffusers does."""
+        if init is None:
+            return None, None
+        from diffusers.image_processor import VaeImageProcessor
+
+        factor = self.vae_scale_factor
+        pixels = VaeImageProcessor(vae_scale_factor=factor).preprocess(init.image, height=height, width=width)
+        if mask is None:
+            return pixels, None
+        masker = VaeImageProcessor(
+            vae_scale_factor=factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+        )
+        return pixels, masker.preprocess(mask.image, height=height, width=width)
 
     # ------------------------------------------------------------------ the fast path
-    def enable_fast(self, **switches: Any) -> Any:
-        """Route sampling and decoding through ``rapiddiff.infer.accelerate`` (the GPU fast path).
+    def enable_fast(self, **switches: Any) -> RapidDiffusionPipeline:
+        """Apply ``rapiddiff.infer.accelerate`` to this pipeline (see :func:`accelerate`); returns it.
 
-        Everything else — prompts, seeds (the same CPU-generator noise), sampler choice, the
-        knowledge switch, upscaling, metadata — stays here, so a call means the same on both paths.
-        Returns the accelerated runner; ``pipe.fast = None`` goes back to the eager loop.
+        ``pipe.denoiser = None`` goes back to the eager loop (the module transforms stay).
         """
         import importlib.util
 
@@ -447,48 +581,63 @@ class RapidDiffusionPipeline:
             )
         from rapiddiff.infer.accelerate import accelerate
 
-        self.fast = accelerate(self, **switches)
-        return self.fast
-
-    def _fast_images(
-        self,
-        prompts: list[str],
-        negatives: list[str],
-        sched_name: str,
-        seeds: list[int],
-        steps: int,
-        guidance_scale: float,
-        height: int,
-        width: int,
-        per_prompt: int,
-    ) -> torch.Tensor:
-        import numpy as np
-        import torch
-
-        base = self.scheduler
-        # The runner samples with ``self.scheduler``: give it the requested sampler for this call.
-        self.scheduler = make_scheduler(sched_name, base.config)
-        try:
-            out = self.fast(
-                prompts,
-                negatives,
-                num_inference_steps=steps,
-                guidance_scale=guidance_scale,
-                height=height,
-                width=width,
-                generator=[torch.Generator("cpu").manual_seed(int(s)) for s in seeds],
-                num_images_per_prompt=per_prompt,
-                output_type="np",
-            )
-        finally:
-            self.scheduler = base
-        return torch.from_numpy(np.asarray(out.images)).permute(0, 3, 1, 2).float()  # (N, 3, H, W)
+        return accelerate(self, **switches)
 
 
-def _inference() -> Any:
+def eager_denoise(
+    pipe: RapidDiffusionPipeline, job: DenoiseJob, *, decode: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The eager denoise stage: the one loop of :mod:`rapiddiff.models.sampling` with the pipeline's U-Net."""
     import torch
 
-    return torch.inference_mode()
+    from rapiddiff.models import sampling
+
+    with torch.inference_mode():
+        latents = sampling.denoise(
+            sampling.unet_model(pipe.unet),
+            job.latents,
+            job.cond,
+            job.uncond,
+            job.scheduler,
+            job.timesteps,
+            job.guidance_scale,
+            extra_step_kwargs=job.step_kwargs,
+            inpaint=job.inpaint,
+            progress=job.progress,
+        )
+        images = sampling.decode(pipe.vae, latents) if decode else None
+    return latents, images
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source(value: Any, what: str, mode: str) -> _Source:
+    """An init image or mask from a path or a PIL image, with its provenance."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, str | Path):
+        path = Path(value)
+        if not path.is_file():
+            raise FileNotFoundError(f"{what}: file not found: {path}")
+        try:
+            with Image.open(path) as opened:
+                image = opened.convert(mode)
+        except (UnidentifiedImageError, OSError) as err:
+            raise ValueError(f"{what}: {path} is not an image file PIL can read ({err})") from err
+        return _Source(image, str(path.resolve()), file_sha256(path))
+    if isinstance(value, Image.Image):
+        filename = getattr(value, "filename", "") or None
+        if filename and Path(filename).is_file():
+            return _Source(value.convert(mode), str(Path(filename).resolve()), file_sha256(filename))
+        image = value.convert(mode)
+        return _Source(image, None, hashlib.sha256(image.tobytes()).hexdigest())
+    raise TypeError(f"{what}: expected a file path or a PIL image, got {type(value).__name__}")
 
 
 def _per_prompt(value: str | Sequence[str] | None, n: int, what: str) -> list[str]:
@@ -513,17 +662,6 @@ def _seeds(seed: int | Sequence[int] | None, n: int) -> list[int]:
     return seeds
 
 
-def _step_kwargs(scheduler: Any, generators: list[Any], eta: float) -> dict[str, Any]:
-    """eta and generator, for the schedulers whose ``step`` takes them (diffusers' prepare_extra_step_kwargs)."""
-    params = set(inspect.signature(scheduler.step).parameters)
-    kwargs: dict[str, Any] = {}
-    if "eta" in params:
-        kwargs["eta"] = eta
-    if "generator" in params:
-        kwargs["generator"] = generators
-    return kwargs
-
-
 def _convert(images: torch.Tensor, output_type: str) -> Any:
     if output_type == "pt":
         return images.cpu()
@@ -538,3 +676,18 @@ def to_pil(array: np.ndarray) -> list[Image.Image]:
     from PIL import Image
 
     return [Image.fromarray((a * 255).round().astype("uint8")) for a in array]
+
+
+__all__ = [
+    "SCHEDULERS",
+    "DenoiseJob",
+    "GenerationOutput",
+    "RapidDiffusionPipeline",
+    "SamplingDefaults",
+    "canonical_scheduler_name",
+    "check_size",
+    "eager_denoise",
+    "make_scheduler",
+    "scheduler_choices",
+    "to_pil",
+]

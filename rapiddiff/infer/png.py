@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 JSON_KEY = "rapiddiff"
 # Settings whose text chunks are parsed back to numbers / booleans when the JSON chunk is absent.
 _INTS = ("seed", "steps", "height", "width")
-_FLOATS = ("guidance", "eta")
+_FLOATS = ("guidance", "eta", "strength")
 _BOOLS = ("knowledge", "upscale")
 
 
@@ -108,8 +108,12 @@ def read_png_metadata(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def generation_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
-    """PNG metadata → ``RapidDiffusionPipeline.__call__`` keyword arguments that remake the image."""
+def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> dict[str, Any]:
+    """PNG metadata → ``RapidDiffusionPipeline.__call__`` keyword arguments that remake the image.
+
+    An img2img / inpainting image names its init image and mask by path and sha256: a file that
+    is missing or has changed since is refused (the image could not be remade from it).
+    """
     missing = [k for k in ("prompt", "seed", "steps", "guidance") if k not in meta]
     if missing:
         raise ValueError(
@@ -130,4 +134,32 @@ def generation_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
             kwargs[key] = int(meta[key])
     if meta.get("eta"):
         kwargs["eta"] = float(meta["eta"])
+    for key, arg in (("init_image", "init_image"), ("mask", "mask_image")):
+        if key in meta or f"{key}_sha256" in meta:
+            kwargs[arg] = _checked_source(meta, key, where)
+    if "strength" in meta:
+        kwargs["strength"] = float(meta["strength"])
     return kwargs
+
+
+def _checked_source(meta: dict[str, Any], key: str, where: str | Path) -> str:
+    """The recorded init image / mask path, if the file is still the one the image was made from."""
+    from rapiddiff.infer.pipeline import file_sha256
+
+    path, digest = meta.get(key), meta.get(f"{key}_sha256")
+    flag = "--init-image" if key == "init_image" else "--mask"
+    if not path:
+        raise ValueError(
+            f"{where}: made from an in-memory {key.replace('_', ' ')} (no file recorded); "
+            f"give the file with {flag}"
+        )
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"{where}: its {key.replace('_', ' ')} {path} is missing; restore it or give another with {flag}"
+        )
+    if digest and file_sha256(path) != digest:
+        raise ValueError(
+            f"{where}: its {key.replace('_', ' ')} {path} has changed since (sha256 differs); "
+            f"the image cannot be remade from it — restore the file or give one with {flag}"
+        )
+    return str(path)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from rapiddiff.models.sampling import SamplingDefaults
     from rapiddiff.models.text_encoder import KnowledgeTextEncoder
 
 log = get_logger(__name__)
@@ -59,22 +60,34 @@ class ModelBundle:
     text_encoder: KnowledgeTextEncoder
     upscaler: nn.Module | None = None
     path: Path | None = None
-    sampling: dict[str, Any] | None = None
-    """Sampling settings the folder recommends (steps, guidance, scheduler; ``rapiddiff.json``)."""
+    sampling: SamplingDefaults | None = None
+    """Sampling settings the folder recommends (steps, guidance, scheduler; ``rapiddiff.json``);
+    a dict is turned into :class:`~rapiddiff.models.sampling.SamplingDefaults` (and checked)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "sampling" and isinstance(value, dict):
+            from rapiddiff.models.sampling import SamplingDefaults
+
+            value = SamplingDefaults.from_dict(value)
+        super().__setattr__(name, value)
 
     @property
     def vae_scale_factor(self) -> int:
-        """Image pixels per latent pixel (8 for SD's VAE): 2^(VAE blocks − 1), as diffusers computes it."""
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+        from rapiddiff.models.sampling import vae_scale_factor
+
+        return vae_scale_factor(self.vae)
 
     @property
     def size_multiple(self) -> int:
-        """Image sides must be multiples of this: the VAE factor × the U-Net's downsampling."""
-        return self.vae_scale_factor * 2 ** (len(self.unet.config.block_out_channels) - 1)
+        from rapiddiff.models.sampling import size_multiple
+
+        return size_multiple(self.unet, self.vae)
 
     @property
     def default_size(self) -> int:
-        return int(self.unet.config.sample_size) * self.vae_scale_factor
+        from rapiddiff.models.sampling import default_size
+
+        return default_size(self.unet, self.vae)
 
     @property
     def name(self) -> str:
@@ -90,19 +103,28 @@ class ModelBundle:
 
     def check(self) -> None:
         """Raise when the parts cannot work together (text width ≠ U-Net cross-attention width)."""
-        width = self.text_encoder.hidden_size
-        cross = self.unet.config.cross_attention_dim
-        if width != cross:
-            where = f"model folder {self.path}: " if self.path else ""
-            raise ValueError(
-                f"{where}the text encoder outputs {width}-wide states but the U-Net's "
-                f"cross_attention_dim is {cross}; give the text encoder out_dim={cross}"
-            )
-        if self.unet.config.in_channels != self.vae.config.latent_channels:
-            raise ValueError(
-                f"U-Net in_channels={self.unet.config.in_channels} ≠ VAE latent_channels="
-                f"{self.vae.config.latent_channels}"
-            )
+        check_parts(
+            self.unet, self.vae, self.text_encoder, where=f"model folder {self.path}: " if self.path else ""
+        )
+
+
+def check_parts(
+    unet: nn.Module, vae: nn.Module, text_encoder: KnowledgeTextEncoder, *, where: str = ""
+) -> None:
+    """Raise when U-Net, VAE and text encoder cannot work together (widths, latent channels)."""
+    width = text_encoder.hidden_size
+    cross = unet.config.cross_attention_dim
+    if width != cross:
+        raise ValueError(
+            f"{where}the text encoder outputs {width}-wide states but the U-Net's cross_attention_dim is "
+            f"{cross}: pick a U-Net of width {width}, or give the text encoder out_dim={cross}"
+        )
+    latent = vae.config.latent_channels
+    if unet.config.in_channels not in (latent, 2 * latent + 1):  # 2C + 1: an inpainting U-Net
+        raise ValueError(
+            f"{where}U-Net in_channels={unet.config.in_channels} ≠ VAE latent_channels={latent} "
+            f"(or {2 * latent + 1} for an inpainting U-Net)"
+        )
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -124,6 +146,14 @@ def load_model_folder(
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {path}")
+    from rapiddiff.models.lora import is_lora_folder, read_info
+
+    if is_lora_folder(path):
+        base = read_info(path).get("base")
+        raise ValueError(
+            f"{path} is a LoRA, not a model folder; use --model {base or 'BASE'} --lora {path} "
+            "(in Python: pipe.load_lora(path)), or fold it in with `rapiddiff train finetune merge`"
+        )
     dtype = dtype or torch.float32
     for part in ("unet", "vae", "text_encoder"):
         _require_weights(path, part)
@@ -144,7 +174,7 @@ def load_model_folder(
             upscaler = _load(path / "upscaler")
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             raise type(err)(f"model folder {path}: upscaler/: {err}") from err
-    sampling = read_rapiddiff_info(path).get("sampling")
+    sampling = read_sampling(path)
     bundle = ModelBundle(unet, vae, scheduler, text_encoder, upscaler, path=path, sampling=sampling)
     bundle.check()
     unet.eval().requires_grad_(False)
@@ -250,8 +280,8 @@ def save_model_folder(bundle: ModelBundle, path: str | Path) -> Path:
             from rapiddiff.models.upscaler import save_upscaler
 
             extras["upscaler"] = str(save_upscaler(bundle.upscaler, tmp / "upscaler").relative_to(tmp))
-        if bundle.sampling:
-            extras["sampling"] = dict(bundle.sampling)
+        if bundle.sampling is not None:
+            extras["sampling"] = bundle.sampling.to_dict()
         text_model = bundle.text_encoder.text_model
         index = {
             "_class_name": "StableDiffusionPipeline",
@@ -322,3 +352,13 @@ def read_rapiddiff_info(path: str | Path) -> dict[str, Any]:
     if not isinstance(info, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(info).__name__}")
     return info
+
+
+def read_sampling(path: str | Path) -> SamplingDefaults | None:
+    """The folder's sampling defaults (rapiddiff.json "sampling"), checked; None when it has none."""
+    from rapiddiff.models.sampling import SamplingDefaults
+
+    given = read_rapiddiff_info(path).get("sampling")
+    if given is None:
+        return None
+    return SamplingDefaults.from_dict(given, f"{Path(path) / RAPIDDIFF_FILE}: sampling")

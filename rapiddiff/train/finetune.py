@@ -23,30 +23,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rapiddiff.models.lora import FUSION_FILE, INFO_FILE, LORA_WEIGHTS, TEXT_LORA_FILE
 from rapiddiff.train.common import OptimConfig, RapidCLI, run_cli
 from rapiddiff.train.data import ImageTextData
-from rapiddiff.train.speed import SpeedConfig
-from rapiddiff.train.unet import (
-    _EMA,
-    _LOSS,
-    _SAMPLING,
-    _SPEED,
-    DiffusionLoss,
-    EMAConfig,
-    LatentDiffusion,
-    SamplingConfig,
-    TrainableName,
-)
-from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
+from rapiddiff.train.unet import EMAConfig, LatentDiffusion, TrainableName
+from rapiddiff.utils.io import atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-FUSION_FILE = "knowledge_fusion.safetensors"
-INFO_FILE = "rapiddiff_lora.json"
-# diffusers' text-encoder LoRA loader knows CLIP's projection names only (q_proj, ...); a BERT
-# tower's adapters (Taiyi) go to this peft-format file beside the diffusers one, and `merge` folds them.
-TEXT_LORA_FILE = "text_encoder_lora.safetensors"
 # Attention projections of the text towers a model folder can hold (peft matches name suffixes).
 TEXT_LORA_TARGETS = {
     "bert": ("query", "key", "value"),
@@ -87,6 +72,7 @@ def _resolve_pretrained(pretrained: str) -> str:
 
 _LORA = LoraSettings()
 _FINETUNE_OPTIM = OptimConfig(lr=1e-4, warmup_steps=100)
+_FINETUNE_EMA = EMAConfig()
 
 
 class FineTune(LatentDiffusion):
@@ -100,14 +86,10 @@ class FineTune(LatentDiffusion):
         lora: adapter rank, alpha, dropout and target modules (mode lora).
         trainable: parts to train: "unet", "text_encoder" (both get adapters in LoRA mode) and
             "fusion" (the knowledge fusion, trained outright in either mode).
-        knowledge: a KnowledgeStore folder to attach when the start has none.
-        loss: prediction type, caption dropout, min-SNR, noise offset.
-        optim: AdamW and its learning-rate schedule.
-        ema: EMA of the trained weights; null = off (usual for LoRA).
-        sampling: validation prompts, seeds and sampler settings.
-        speed: gradient checkpointing, channels_last, torch.compile (fused QKV: full mode only).
-        cache_latents: encode every training image once at the start.
-        seed: seed for noise, timesteps and caption dropout.
+        optim: AdamW and its learning-rate schedule (fine-tuning's lower default learning rate).
+        ema: EMA of the trained weights (the adapters in mode lora); null = off (usual for LoRA).
+        **kwargs: the other arguments of :class:`~rapiddiff.train.unet.LatentDiffusion` (knowledge,
+            loss, sampling, speed, cache_latents, seed), passed on as they are.
     """
 
     def __init__(
@@ -116,31 +98,22 @@ class FineTune(LatentDiffusion):
         mode: Literal["full", "lora"] = "lora",
         lora: LoraSettings = _LORA,
         trainable: Sequence[TrainableName] = ("unet",),
-        knowledge: str | None = None,
-        loss: DiffusionLoss = _LOSS,
         optim: OptimConfig = _FINETUNE_OPTIM,
-        ema: EMAConfig | None = _EMA,
-        sampling: SamplingConfig = _SAMPLING,
-        speed: SpeedConfig = _SPEED,
-        cache_latents: bool = False,
-        seed: int = 0,
+        ema: EMAConfig | None = _FINETUNE_EMA,
+        **kwargs: Any,
     ) -> None:
         pretrained = _resolve_pretrained(pretrained)
-        if mode == "lora" and speed.fuse_qkv:
+        speed = kwargs.get("speed")
+        if mode == "lora" and speed is not None and speed.fuse_qkv:
             raise ValueError(
                 "speed.fuse_qkv cannot be combined with mode: lora (the adapters sit on to_q/to_k/to_v)"
             )
         super().__init__(
             pretrained=pretrained,
-            knowledge=knowledge,
             trainable=trainable if mode == "full" else (),
-            loss=loss,
             optim=optim,
             ema=ema if mode == "full" else None,
-            sampling=sampling,
-            speed=speed,
-            cache_latents=cache_latents,
-            seed=seed,
+            **kwargs,
         )
         self.mode, self.lora_cfg, self.pretrained = mode, lora, pretrained
         if mode == "lora":
@@ -224,58 +197,25 @@ class FineTune(LatentDiffusion):
 
 
 def merge_lora(base: str | Path, lora: str | Path, out: str | Path, scale: float = 1.0) -> Path:
-    """Fold LoRA weights (diffusers format) into ``base`` and write a full model folder to ``out``.
+    """Fold a LoRA (a ``train finetune`` LoRA folder or a diffusers-format LoRA) into ``base`` and
+    write a full model folder to ``out``.
 
-    diffusers' own loader reads the adapters (``load_lora_weights`` + ``fuse_lora``); the fused
-    U-Net and text tower then replace those of the rapiddiff bundle, so the base folder's
-    knowledge/ and upscaler/ carry over.
+    The same code merges a LoRA at generation time (``pipe.load_lora`` → rapiddiff.models.lora),
+    so the merged folder makes the images ``--lora`` makes. The base folder's knowledge/,
+    upscaler/ and sampling defaults carry over (logged when it has no upscaler).
     """
-    import torch
-    from diffusers import StableDiffusionPipeline
-
     from rapiddiff.models.bundle import load_model_folder, save_model_folder
+    from rapiddiff.models.lora import apply_lora, read_lora
 
     base, lora = Path(base), Path(lora)
-    if not (lora / "pytorch_lora_weights.safetensors").is_file() and not (lora / FUSION_FILE).is_file():
-        raise FileNotFoundError(
-            f"{lora}: no pytorch_lora_weights.safetensors; expected a `train finetune` LoRA output"
-        )
+    if lora.is_dir() and not any((lora / f).is_file() for f in (LORA_WEIGHTS, TEXT_LORA_FILE, FUSION_FILE)):
+        raise FileNotFoundError(f"{lora}: no {LORA_WEIGHTS}; expected a `train finetune` LoRA output")
+    weights = read_lora(lora)
     bundle = load_model_folder(base)
-    if (lora / "pytorch_lora_weights.safetensors").is_file():
-        pipe = StableDiffusionPipeline.from_pretrained(
-            str(base), safety_checker=None, requires_safety_checker=False, dtype=torch.float32
-        )
-        pipe.load_lora_weights(str(lora))
-        pipe.fuse_lora(lora_scale=scale)
-        pipe.unload_lora_weights()
-        bundle.unet.load_state_dict(pipe.unet.state_dict())
-        weights = load_weights(lora / "pytorch_lora_weights.safetensors")
-        if any(k.startswith("text_encoder.") for k in weights):
-            bundle.text_encoder.text_model.load_state_dict(pipe.text_encoder.state_dict())
-    if (lora / TEXT_LORA_FILE).is_file():
-        info = json.loads((lora / INFO_FILE).read_text(encoding="utf-8"))
-        _fold_peft_lora(
-            bundle.text_encoder.text_model, load_weights(lora / TEXT_LORA_FILE), info["scale"] * scale
-        )
-    if (lora / FUSION_FILE).is_file():
-        if bundle.text_encoder.fusion is None:
-            raise ValueError(f"{lora}: holds knowledge-fusion weights but {base} has no knowledge/ folder")
-        bundle.text_encoder.fusion.load_state_dict(load_weights(lora / FUSION_FILE))
+    apply_lora(weights, bundle.unet, bundle.text_encoder, scale=scale)
+    if bundle.upscaler is None:
+        log.info("merge: %s has no upscaler/; the merged folder has none either", base)
     return save_model_folder(bundle, out)
-
-
-def _fold_peft_lora(model: Any, state: dict[str, Any], scale: float) -> None:
-    """W ← W + scale · B·A for every ``<module>.lora_A.weight`` / ``lora_B.weight`` pair (peft names)."""
-    import torch
-
-    with torch.no_grad():
-        for key, down in state.items():
-            if not key.endswith(".lora_A.weight"):
-                continue
-            name = key.removesuffix(".lora_A.weight")
-            up = state[f"{name}.lora_B.weight"]
-            layer = model.get_submodule(name)
-            layer.weight += scale * (up.float() @ down.float()).to(layer.weight.dtype)
 
 
 def _merge_main(args: list[str]) -> None:
@@ -285,7 +225,9 @@ def _merge_main(args: list[str]) -> None:
     )
     parser.add_argument("--base", required=True, help="the model folder the LoRA was trained on")
     parser.add_argument(
-        "--lora", required=True, help="the LoRA output folder (pytorch_lora_weights.safetensors)"
+        "--lora",
+        required=True,
+        help="the LoRA output folder (pytorch_lora_weights.safetensors) or a diffusers LoRA file",
     )
     parser.add_argument("--out", required=True, help="where to write the merged model folder")
     parser.add_argument("--scale", type=float, default=1.0, help="LoRA strength (1.0 = as trained)")

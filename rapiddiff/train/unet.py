@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapiddiff.models.sampling import SamplingDefaults
 from rapiddiff.train.common import OptimConfig, RapidCLI, RapidModule, configure_adamw, ensure_finite, run_cli
 from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.train.speed import (
@@ -74,13 +75,19 @@ class EMAConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Validation images: every prompt with every seed, PNDM with classifier-free guidance."""
+    """Validation images: every prompt with every seed, through rapiddiff.models.sampling (the
+    loop every generation path runs). Steps, guidance and sampler are also the sampling defaults
+    the exported model folder carries."""
 
     prompts: tuple[str, ...] = ("蓝色背景上有一个红色的圆形", "白色背景上有一个番茄")
     seeds: tuple[int, ...] = (0, 1)
     negative_prompt: str = ""
-    num_inference_steps: int = 25
-    guidance_scale: float = 7.5
+    num_inference_steps: int | None = 25
+    """None: the start model's (``pretrained``'s rapiddiff.json), else 50."""
+    guidance_scale: float | None = 7.5
+    """None: the start model's, else 7.5."""
+    scheduler: str | None = None
+    """pndm, ddim or dpm++; None: the start model's, else pndm."""
     size: int | None = None
     """Image side in pixels; None = the U-Net's sample_size × the VAE factor."""
 
@@ -180,17 +187,9 @@ class LatentDiffusion(RapidModule):
 
     # ------------------------------------------------------------------ set-up
     def _check_widths(self) -> None:
-        width, cross = self.text_encoder.hidden_size, self.unet.config.cross_attention_dim
-        if width != cross:
-            raise ValueError(
-                f"the text encoder outputs {width}-wide states but the U-Net's cross_attention_dim is "
-                f"{cross}: pick a U-Net preset/folder of width {width}, or a text encoder of width {cross}"
-            )
-        if self.unet.config.in_channels != self.vae.config.latent_channels:
-            raise ValueError(
-                f"U-Net in_channels={self.unet.config.in_channels} but the VAE has "
-                f"latent_channels={self.vae.config.latent_channels}"
-            )
+        from rapiddiff.models.bundle import check_parts
+
+        check_parts(self.unet, self.vae, self.text_encoder)
 
     def _select_trainable(self, train: list[str]) -> list[str]:
         allowed = {"unet", "fusion", "text_encoder"}
@@ -526,29 +525,47 @@ class LatentDiffusion(RapidModule):
         with self.ema_weights():
             return self.generate(prompts, seeds)
 
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The sampling settings of the grids and of the exported folder: this config's, where it
+        gives them, else the start model's (``pretrained``), else the library's."""
+        from rapiddiff.models.bundle import read_sampling
+        from rapiddiff.models.sampling import SamplingDefaults
+
+        pretrained = self.hparams.get("pretrained")
+        base = (read_sampling(pretrained) if pretrained else None) or SamplingDefaults()
+        s = self.sampling
+        return SamplingDefaults(
+            num_inference_steps=s.num_inference_steps or base.num_inference_steps,
+            guidance_scale=base.guidance_scale if s.guidance_scale is None else s.guidance_scale,
+            scheduler=s.scheduler or base.scheduler,
+        )
+
     @torch.no_grad()
     def generate(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        """PNDM sampling with classifier-free guidance → images [N, 3, H, W] in [0, 1]."""
-        from diffusers import PNDMScheduler
+        """Images [N, 3, H, W] in [0, 1] through the one generation path (rapiddiff.models.sampling):
+        image k from its own CPU generator seeded ``seeds[k]``, as ``rapiddiff generate`` makes it."""
+        from rapiddiff.models import sampling
 
-        s = self.sampling
-        scheduler = PNDMScheduler.from_config(self.scheduler_config)
-        scheduler.set_timesteps(s.num_inference_steps, device=self.device)
-        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        side = (s.size // factor) if s.size else int(self.unet.config.sample_size)
-        cond = self.text_encoder.encode(prompts)  # (N, L, D)
-        uncond = self.text_encoder.encode([s.negative_prompt] * len(prompts))
-        context = torch.cat([uncond, cond]).to(self.unet.dtype)
-        shape = (self.unet.config.in_channels, side, side)
-        latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
-        latents = latents.to(self.device) * scheduler.init_noise_sigma  # (N, C, h, w)
-        for t in scheduler.timesteps:
-            model_input = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-            out_uncond, out_cond = self.unet(model_input, t, encoder_hidden_states=context).sample.chunk(2)
-            guided = out_uncond + s.guidance_scale * (out_cond - out_uncond)
-            latents = scheduler.step(guided, t, latents).prev_sample
-        images = self.vae.decode((latents / self.vae.config.scaling_factor).to(self.vae.dtype)).sample
-        return ((images.float() + 1) / 2).clamp(0, 1)
+        s, d = self.sampling, self.sampling_defaults()
+        scheduler = sampling.make_scheduler(d.scheduler, self.scheduler_config)
+        scheduler.set_timesteps(d.num_inference_steps, device=self.device)
+        side = s.size // sampling.vae_scale_factor(self.vae) if s.size else int(self.unet.config.sample_size)
+        cond = self.text_encoder.encode(prompts).to(self.unet.dtype)  # (N, L, D)
+        uncond = None
+        if d.guidance_scale > 1.0:
+            uncond = self.text_encoder.encode([s.negative_prompt] * len(prompts)).to(self.unet.dtype)
+        shape = (int(self.vae.config.latent_channels), side, side)
+        noise = sampling.draw_noise(sampling.generators(seeds), shape, torch.float32).to(self.device)
+        latents = sampling.denoise(
+            sampling.unet_model(self.unet),
+            noise * scheduler.init_noise_sigma,  # (N, C, h, w)
+            cond,
+            uncond,
+            scheduler,
+            scheduler.timesteps,
+            d.guidance_scale,
+        )
+        return sampling.decode(self.vae, latents)
 
     class _EMASwap:
         def __init__(self, module: LatentDiffusion) -> None:
@@ -570,10 +587,10 @@ class LatentDiffusion(RapidModule):
         return LatentDiffusion._EMASwap(self)
 
     def export(self, path: Path) -> Path:
-        """The model folder (DESIGN.md layout, diffusers-loadable), EMA weights when EMA is on."""
-        from diffusers import PNDMScheduler
-
-        from rapiddiff.models.bundle import ModelBundle, save_model_folder
+        """The model folder (DESIGN.md layout, diffusers-loadable), EMA weights when EMA is on; the
+        start model's (``pretrained``) upscaler and sampling defaults are carried forward."""
+        from rapiddiff.models.bundle import ModelBundle, read_sampling, save_model_folder
+        from rapiddiff.models.sampling import make_scheduler
 
         if self.ema is not None:
             self.ema.copy_to(self.trainable_parameters())
@@ -581,10 +598,32 @@ class LatentDiffusion(RapidModule):
         self.vae.to(dtype=torch.float32)
         self.text_encoder.text_model.to(dtype=torch.float32)
         unet = getattr(self.unet, "_orig_mod", self.unet)
+        # A fine-tune keeps its base's defaults (tuned for it); a model trained from scratch gets the grids'.
+        pretrained = self.hparams.get("pretrained")
+        defaults = (read_sampling(pretrained) if pretrained else None) or self.sampling_defaults()
         bundle = ModelBundle(
-            unet, self.vae, PNDMScheduler.from_config(self.scheduler_config), self.text_encoder
+            unet,
+            self.vae,
+            make_scheduler("pndm", self.scheduler_config),
+            self.text_encoder,
+            upscaler=self._base_upscaler(),
+            sampling=defaults,
         )
         return save_model_folder(bundle, path)
+
+    def _base_upscaler(self) -> nn.Module | None:
+        """The start model's upscaler, carried into the export (logged when there is none)."""
+        pretrained = self.hparams.get("pretrained")
+        folder = Path(pretrained) / "upscaler" if pretrained else None
+        if folder is None or not folder.is_dir():
+            log.info(
+                "export: no upscaler/ to carry over (%s); add one with `rapiddiff train upscaler`",
+                f"{pretrained} has none" if pretrained else "trained from scratch",
+            )
+            return None
+        from rapiddiff.models.upscaler import load_upscaler
+
+        return load_upscaler(folder)
 
 
 def _check_speed(speed: SpeedConfig, cache_latents: bool, trainable: list[str]) -> None:

@@ -145,7 +145,7 @@ def test_knowledge_switch_reaches_the_encoder_on_both_paths(tmp_path, knowledge_
     """With a KnowledgeStore, on and off differ for entity prompts; the fast-path adapter honours the switch."""
     import numpy as np
 
-    from rapiddiff.eval.sample import FastSampler, load_pipeline
+    from rapiddiff.eval.sample import load_pipeline
     from rapiddiff.infer.accelerate import accelerate
 
     kshapes = tmp_path / "kshapes"
@@ -178,19 +178,16 @@ def test_knowledge_switch_reaches_the_encoder_on_both_paths(tmp_path, knowledge_
     assert len(on) == len(off) == 2 and all(np.abs(a - b).max() > 0 for a, b in zip(on, off, strict=True))
 
     pipe = load_pipeline(knowledge_model, device="cpu", dtype="float32")
-    fast = FastSampler(
+    fast = accelerate(
         pipe,
-        accelerate(
-            pipe,
-            dtype=None,
-            compile_unet=None,
-            compile_vae=None,
-            loop="eager",
-            attention="default",
-            channels_last=False,
-        ),
+        dtype=None,
+        compile_unet=None,
+        compile_vae=None,
+        loop="eager",
+        attention="default",
+        channels_last=False,
     )
-    kw = dict(seed=[0], num_inference_steps=2, guidance_scale=7.5)
+    kw = dict(seed=[0], num_inference_steps=2, guidance_scale=7.5, progress=False)
     prompt = [_prompts(1, 1)[0]["text"]]
     for knowledge, want in ((True, on[0]), (False, off[0])):
         got = np.asarray(fast(prompt, knowledge=knowledge, **kw).images[0], float)

@@ -93,15 +93,15 @@ def test_read_prompts(tmp_path):
         read_prompts(bad)
 
 
-def test_fast_path_gives_the_eager_images(tiny_pipe):
-    """The fast-path adapter (its CPU-safe switches) draws the same noise per seed as the eager pipeline."""
-    from rapiddiff.eval.sample import FastSampler
+def test_fast_path_gives_the_eager_images(tiny_pipe, tiny_model):
+    """The fast path (its CPU-safe switches, on its own pipeline) draws the same noise per seed as the eager one."""
+    from rapiddiff.eval.sample import load_pipeline
     from rapiddiff.infer.accelerate import accelerate
 
     kw = dict(num_inference_steps=2, guidance_scale=7.5, scheduler="pndm", knowledge=True, upscale=False)
     eager = tiny_pipe(["一个番茄", "一个香蕉"], seed=[5, 6], progress=False, **kw)
     fast = accelerate(
-        tiny_pipe,
+        load_pipeline(tiny_model, device="cpu", dtype="float32"),
         dtype=None,
         compile_unet=None,
         compile_vae=None,
@@ -109,9 +109,35 @@ def test_fast_path_gives_the_eager_images(tiny_pipe):
         attention="default",
         channels_last=False,
     )
-    out = FastSampler(tiny_pipe, fast)(["一个番茄", "一个香蕉"], seed=[5, 6], **kw)
+    assert fast.fixed_batch  # eval keeps its batches full for the captured loops
+    out = fast(["一个番茄", "一个香蕉"], seed=[5, 6], progress=False, **kw)
     for a, b in zip(out.images, eager.images, strict=True):
         np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), atol=1)
+
+
+def test_eval_sample_and_generate_make_the_same_png(tmp_path, tiny_model):
+    """Same model, prompt and seed: `eval sample` and `generate` give the same pixels — both read the
+    model's sampling defaults (here 3 dpm++ steps) and upscale with its upscaler."""
+    from rapiddiff.models.bundle import load_model_folder, save_model_folder
+    from rapiddiff.models.sampling import SamplingDefaults
+    from rapiddiff.models.upscaler import build_rrdb
+
+    bundle = load_model_folder(tiny_model)
+    bundle.upscaler = build_rrdb(num_blocks=1, num_feat=8).eval()
+    bundle.sampling = SamplingDefaults(num_inference_steps=3, guidance_scale=5.0, scheduler="dpm++")
+    model = save_model_folder(bundle, tmp_path / "model")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("蓝色背景上有一个番茄\n", encoding="utf-8")
+    assert main(["eval", "sample", "--model", str(model), "--prompts", str(prompts), "--seed", "5",
+                 "--out", str(tmp_path / "run"), "--device", "cpu"]) == 0  # fmt: skip
+    assert main(["generate", "蓝色背景上有一个番茄", "--model", str(model), "--seed", "5",
+                 "--out", str(tmp_path / "gen"), "--device", "cpu", "--no-progress"]) == 0  # fmt: skip
+    evaluated = np.asarray(Image.open(tmp_path / "run" / "images" / "000000_s5.png"))
+    generated = np.asarray(Image.open(tmp_path / "gen" / "00001-5.png"))
+    assert evaluated.shape == (64, 64, 3)  # upscaled ×4 from the model's 16²
+    np.testing.assert_array_equal(evaluated, generated)
+    info = json.loads((tmp_path / "run" / "sample.json").read_text(encoding="utf-8"))["settings"]
+    assert (info["steps"], info["guidance"], info["scheduler"], info["upscale"]) == (3, 5.0, "dpm++", True)
 
 
 def test_sample_from_dataset_captions_with_real_images(tmp_path, tiny_model):

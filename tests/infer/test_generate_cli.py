@@ -20,8 +20,9 @@ FAST = ["--steps", "2", "--device", "cpu", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(write_tiny_sd_folder(tmp_path_factory.mktemp("m") / "sd", text="bert"))
+def model(tiny_model):
+    """The shared Taiyi-style tiny folder (tests/conftest.py), read only here."""
+    return str(tiny_model)
 
 
 def _pngs(folder):
@@ -164,15 +165,17 @@ def test_fast_flag(model, tmp_path, capsys, monkeypatch):
     assert main(["generate", "x", "--model", model, "--fast", "--out", str(tmp_path), *FAST]) == 2
     assert "not available" in capsys.readouterr().err
 
-    # With the module present, sampling and decoding go through its runner; the rest stays the pipeline's.
+    # With the module present, its stage replaces the pipeline's denoise stage; the rest stays the pipeline's.
     calls = []
 
     def accelerate(pipe, **switches):
-        def runner(prompts, negatives, *, generator, output_type, height, width, **kwargs):
-            calls.append((pipe, [g.initial_seed() for g in generator], output_type))
-            return types.SimpleNamespace(images=np.full((len(generator), height, width, 3), 0.5, np.float32))
+        def denoiser(job, decode):
+            n, _, h, w = job.latents.shape
+            calls.append((pipe, n, decode))
+            return job.latents, torch.full((n, 3, h * 2, w * 2), 0.5)
 
-        return runner
+        pipe.denoiser = denoiser
+        return pipe
 
     fake = types.ModuleType(name)
     fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
@@ -180,7 +183,7 @@ def test_fast_flag(model, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, name, fake)
     out = tmp_path / "fast"
     assert main(["generate", "x", "--model", model, "--fast", "--seed", "3", "--out", str(out), *FAST]) == 0
-    assert len(calls) == 1 and hasattr(calls[0][0], "denoise") and calls[0][1:] == ([3], "np")
+    assert len(calls) == 1 and hasattr(calls[0][0], "denoise") and calls[0][1:] == (1, True)
     image = _pngs(out)[0]
     assert np.asarray(Image.open(image)).max() == 128 and read_png_metadata(image)["seed"] == 3
 

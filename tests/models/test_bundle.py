@@ -12,7 +12,6 @@ import torch
 from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 from rapiddiff.kg.store import KnowledgeStore
 from rapiddiff.models.bundle import load_model_folder, read_rapiddiff_info, save_model_folder
-from rapiddiff.models.presets import write_tiny_sd_folder
 from rapiddiff.models.upscaler import build_rrdb
 
 PROMPT = "蓝色背景上有一个番茄"
@@ -20,8 +19,9 @@ GEN = {"num_inference_steps": 3, "seed": 4, "output_type": "np", "progress": Fal
 
 
 @pytest.fixture(scope="module")
-def taiyi(tmp_path_factory):
-    return write_tiny_sd_folder(tmp_path_factory.mktemp("taiyi") / "m", text="bert")
+def taiyi(tiny_folders):
+    """The shared Taiyi-style tiny folder (tests/conftest.py); tests here copy it before changing it."""
+    return tiny_folders["bert"]
 
 
 @pytest.fixture(scope="module")
@@ -194,5 +194,9 @@ def test_sampling_defaults_round_trip(saved, tmp_path):
     assert bundle.sampling is None
     bundle.sampling = {"num_inference_steps": 25, "guidance_scale": 7.5, "scheduler": "pndm"}
     save_model_folder(bundle, tmp_path / "m")
-    assert read_rapiddiff_info(tmp_path / "m")["sampling"] == bundle.sampling
+    assert read_rapiddiff_info(tmp_path / "m")["sampling"] == bundle.sampling.to_dict()
     assert load_model_folder(tmp_path / "m").sampling == bundle.sampling
+    # ...and survive into the pipeline (from_bundle), which uses them when a call does not say.
+    pipe = RapidDiffusionPipeline.from_pretrained(tmp_path / "m")
+    assert pipe.sampling == bundle.sampling
+    assert pipe("x", seed=0, output_type="latent", progress=False).metadata[0]["steps"] == 25
