@@ -72,3 +72,34 @@ def knowledge_model(tiny_model, tmp_path_factory):
     with torch.no_grad():
         bundle.text_encoder.fusion.gates.fill_(0.5)
     return save_model_folder(bundle, tmp_path_factory.mktemp("knowledge-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def diffusers_lora(tiny_folders, tmp_path_factory):
+    """A diffusers-format LoRA (U-Net + CLIP text tower adapters, non-zero) for the clip tiny model."""
+    import peft
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_folders["clip"], safety_checker=None)
+    torch.manual_seed(3)
+    pipe.unet.add_adapter(
+        peft.LoraConfig(
+            r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
+        )
+    )
+    pipe.text_encoder.add_adapter(
+        peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    out = tmp_path_factory.mktemp("lora") / "lora"
+    StableDiffusionPipeline.save_lora_weights(
+        out,
+        unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet)),
+        text_encoder_lora_layers=convert_state_dict_to_diffusers(
+            get_peft_model_state_dict(pipe.text_encoder)
+        ),
+        safe_serialization=True,
+    )
+    return out

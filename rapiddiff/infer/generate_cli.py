@@ -138,6 +138,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--no-knowledge", action="store_true", help="switch the knowledge fusion off (the base text encoder)"
     )
     parser.add_argument(
+        "--knowledge",
+        choices=["embed", "text", "both", "off"],
+        help="how KG knowledge enters: embed (fused TransE vectors, the default), text (the entities' "
+        "facts spelled into the prompt), both, or off (= --no-knowledge)",
+    )
+    parser.add_argument(
         "--no-grid", action="store_true", help="do not write a grid image when several images are made"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -249,6 +255,8 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         raise ValueError("--mask needs --init-image (the image whose masked part is repainted)")
     if "strength" in kwargs and "init_image" not in kwargs:
         raise ValueError("--strength needs --init-image (img2img or inpainting)")
+    if args.knowledge:
+        kwargs["knowledge"] = args.knowledge
     if args.no_knowledge:
         kwargs["knowledge"] = False
     if "scheduler" in kwargs:  # bad names fail before loading

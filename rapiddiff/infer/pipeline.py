@@ -378,7 +378,7 @@ class RapidDiffusionPipeline:
         scheduler: str | None = None,
         eta: float = 0.0,
         upscale: bool | None = False,
-        knowledge: bool | None = None,
+        knowledge: bool | str | None = None,
         init_image: str | Path | Image.Image | None = None,
         strength: float | None = None,
         mask_image: str | Path | Image.Image | None = None,
@@ -391,7 +391,8 @@ class RapidDiffusionPipeline:
         folder's sampling defaults (``self.sampling``). ``seed``: an int ``s`` gives image ``k``
         the seed ``s + k``; a list gives every image its own; ``None`` draws fresh seeds (returned
         in ``.seeds``). ``knowledge``: fuse the KnowledgeStore's facts into the text states
-        (``None``: as loaded); ``False`` is the base text encoder exactly, the ablation switch.
+        (``None``: as loaded); ``False`` (or "off") is the base text encoder exactly, the ablation
+        switch; "embed", "text" (the KG facts spelled into the prompt) or "both" choose the mode.
         ``upscale``: ``None`` upscales when the model has an upscaler.
 
         img2img: ``init_image`` (a path or PIL image) and ``strength`` (default 0.8: how far down
@@ -443,28 +444,23 @@ class RapidDiffusionPipeline:
         n = len(prompts) * num_images_per_prompt
         seeds = _seeds(seed, n)
 
-        previous = getattr(self.text_encoder, "knowledge", None)
-        if knowledge is None:
-            knowledge = bool(previous)  # as the pipeline was loaded (on, unless loaded with knowledge=False)
+        knowledge_on, knowledge_mode = _knowledge_setting(self.text_encoder, knowledge)
         all_prompts = [p for p in prompts for _ in range(num_images_per_prompt)]
         all_negatives = [p for p in negatives for _ in range(num_images_per_prompt)]
         settings = self._settings(
-            steps, guidance, sched_name, height, width, knowledge, bool(upscale), eta, init, mask, strength
+            steps, guidance, sched_name, height, width, knowledge_on, bool(upscale), eta, init, mask, strength
         )
+        if settings["knowledge"] and knowledge_mode != "embed":
+            settings["knowledge_mode"] = knowledge_mode  # "text" / "both": --from-png must know it
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
         ]
 
         times: dict[str, float] = {}
-        try:
-            if previous is not None:
-                self.text_encoder.knowledge = knowledge
+        with _knowledge_as(self.text_encoder, knowledge):
             do_cfg = guidance > 1.0
             cond, uncond = self.encode_prompt(prompts, negatives, do_classifier_free_guidance=do_cfg)
-        finally:
-            if previous is not None:
-                self.text_encoder.knowledge = previous
         # One row per image, prompt by prompt: p0 img0, p0 img1, ..., p1 img0, ... (as diffusers orders them)
         cond = cond.repeat_interleave(num_images_per_prompt, dim=0)  # (N, L, D)
         uncond = uncond.repeat_interleave(num_images_per_prompt, dim=0) if uncond is not None else None
@@ -638,6 +634,31 @@ def _source(value: Any, what: str, mode: str) -> _Source:
         image = value.convert(mode)
         return _Source(image, None, hashlib.sha256(image.tobytes()).hexdigest())
     raise TypeError(f"{what}: expected a file path or a PIL image, got {type(value).__name__}")
+
+
+def _knowledge_setting(encoder: Any, knowledge: bool | str | None) -> tuple[bool, str]:
+    """What a call's ``knowledge`` argument means for this encoder: (on?, mode). None: as loaded;
+    True/False: on/off in the encoder's mode; "off"; or a mode ("embed", "text", "both"), which is on."""
+    on = bool(getattr(encoder, "knowledge", False))
+    mode = getattr(encoder, "knowledge_mode", "embed")
+    if isinstance(knowledge, bool):
+        return knowledge, mode
+    if knowledge is None:
+        return on, mode
+    if knowledge == "off":
+        return False, mode
+    from rapiddiff.models.expansion import check_mode
+
+    return True, check_mode(knowledge)
+
+
+def _knowledge_as(encoder: Any, knowledge: bool | str | None) -> Any:
+    """The encoder's knowledge set as the call asks, for the block (a text tower without knowledge: as it is)."""
+    import contextlib
+
+    if not hasattr(encoder, "knowledge_as"):
+        return contextlib.nullcontext(encoder)
+    return encoder.knowledge_as(knowledge)
 
 
 def _per_prompt(value: str | Sequence[str] | None, n: int, what: str) -> list[str]:

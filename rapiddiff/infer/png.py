@@ -126,7 +126,10 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
         "num_inference_steps": int(meta["steps"]),
         "guidance_scale": float(meta["guidance"]),
         "scheduler": meta.get("scheduler", "pndm"),
-        "knowledge": bool(meta.get("knowledge", True)),
+        # a mode ("text", "both") when the image recorded one, else on/off
+        "knowledge": meta["knowledge_mode"]
+        if meta.get("knowledge") and meta.get("knowledge_mode")
+        else bool(meta.get("knowledge", True)),
         "upscale": bool(meta.get("upscale", False)),
     }
     for key in ("height", "width"):

@@ -68,6 +68,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-side", type=int, default=1024, help="largest side before upscaling (default 1024)"
     )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        metavar="DIR[:SCALE]",
+        help="merge a LoRA (a `train finetune` LoRA folder or a diffusers LoRA file) into the served model; repeatable",
+    )
     parser.add_argument("--steps", type=int, help="steps when a request names none (default: the model's)")
     parser.add_argument(
         "--upscale", action=argparse.BooleanOptionalAction, default=None,
@@ -89,6 +95,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> object:
+    from rapiddiff.infer.generate_cli import parse_lora
     from rapiddiff.serve.config import ServeConfig, parse_devices
 
     return ServeConfig(
@@ -106,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> object:
         max_side=args.max_side,
         default_steps=args.steps,
         default_upscale=args.upscale,
+        loras=[parse_lora(item) for item in args.lora or []],
     )
 
 

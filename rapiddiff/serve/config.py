@@ -40,6 +40,8 @@ class ServeConfig:
     """Steps when a request names none (default: the model folder's, else 50)."""
     default_upscale: bool | None = None
     """Upscale when a request does not say (default: as ``rapiddiff generate``, on when the model has one)."""
+    loras: list[tuple[str, float]] = field(default_factory=list)
+    """LoRAs (path, scale) merged into every model copy at load, as ``rapiddiff generate --lora``."""
 
     def __post_init__(self) -> None:
         if not self.devices:

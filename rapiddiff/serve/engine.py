@@ -94,6 +94,8 @@ def load_pipeline(config: ServeConfig, device_name: str) -> Any:
     model_dir = resolve_model_dir(str(config.model) if config.model else None)
     log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
     pipe = RapidDiffusionPipeline.from_pretrained(model_dir, device=device, dtype=dtype)
+    for path, scale in config.loras:  # before the fast path: LoRAs merge into the weights it transforms
+        pipe.load_lora(path, scale=scale)
     if config.fast:
         # The fast path captures one sampling graph per (batch, size, steps): keep one per batch
         # bucket and warmed-up size, so serving never evicts and recaptures them.

@@ -129,3 +129,29 @@ def test_to_changes_dtype_and_keeps_working(folders):
     assert pipe.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
     out = pipe("x", num_inference_steps=2, seed=0, output_type="np", progress=False)
     assert out.images.dtype == np.float32 and np.isfinite(out.images).all()
+
+
+def test_knowledge_text_mode_is_the_base_encoder_on_the_expanded_prompt(knowledge_model, tmp_path):
+    """`--knowledge text` spells the entity's KG facts into the prompt (the honest ceiling for the
+    vector path): the image is the base encoder's on the expanded prompt, and its PNG remakes it."""
+    from rapiddiff.cli import main
+    from rapiddiff.infer.png import generation_kwargs, read_png_metadata
+
+    pipe = RapidDiffusionPipeline.from_pretrained(knowledge_model)
+    entity = pipe.text_encoder.store.entity_names[0]
+    prompt = f"蓝色背景上有一个{entity}"
+    with pipe.text_encoder.knowledge_as("text"):
+        expanded = pipe.text_encoder.expand([prompt])[0]
+    assert expanded != prompt and entity in expanded
+    kwargs = {"num_inference_steps": 2, "seed": 5, "output_type": "np", "progress": False}
+    text = pipe(prompt, knowledge="text", **kwargs)
+    np.testing.assert_array_equal(text.images, pipe(expanded, knowledge=False, **kwargs).images)
+    assert np.abs(text.images - pipe(prompt, knowledge="embed", **kwargs).images).max() > 1e-4
+    assert text.metadata[0]["knowledge"] is True and text.metadata[0]["knowledge_mode"] == "text"
+    assert pipe.text_encoder.knowledge_mode == "embed"  # the call's mode does not stick
+
+    out = tmp_path / "out"
+    args = ["generate", prompt, "--model", str(knowledge_model), "--knowledge", "text", "--steps", "2"]
+    assert main([*args, "--seed", "5", "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
+    (png,) = sorted(out.glob("*.png"))
+    assert generation_kwargs(read_png_metadata(png))["knowledge"] == "text"

@@ -191,3 +191,18 @@ def test_fast_batches_are_padded_to_the_warmed_up_sizes():
     results = asyncio.run(scenario())
     assert [len(c[0]) for c in calls] == [1, 2, 4, 4]  # warm-up of buckets 1, 2, 4; then the batch
     assert [images[0].seed for images in results] == [5, 6, 7]
+
+
+def test_a_served_lora_is_merged_into_the_model(tiny_folders, diffusers_lora):
+    """`rapiddiff serve --lora DIR:SCALE` merges the LoRA as `rapiddiff generate --lora` does:
+    the served images are the LoRA's and their metadata names it."""
+    config = ServeConfig(model=tiny_folders["clip"], devices=["cpu"], dtype="float32")
+    kwargs = {"num_inference_steps": 2, "seed": 3, "output_type": "np", "progress": False}
+    plain = load_pipeline(config, "cpu")("一个番茄", **kwargs)
+    served = load_pipeline(dataclasses.replace(config, loras=[(str(diffusers_lora), 0.7)]), "cpu")
+    reference = load_pipeline(config, "cpu")
+    reference.load_lora(diffusers_lora, scale=0.7)
+    out = served("一个番茄", **kwargs)
+    assert out.metadata[0]["lora"] == [{"path": str(diffusers_lora.resolve()), "scale": 0.7}]
+    assert abs(out.images - plain.images).max() > 1e-3
+    assert (out.images == reference("一个番茄", **kwargs).images).all()
