@@ -200,3 +200,30 @@ def test_metrics_are_prometheus_text(server):
     p50 = metric(text, 'rapiddiff_request_latency_quantile_seconds{quantile="0.5"}')
     p95 = metric(text, 'rapiddiff_request_latency_quantile_seconds{quantile="0.95"}')
     assert 0 < p50 <= p95
+
+
+def test_img2img_and_inpainting_run_through_the_served_pipeline(server):
+    """init_image / mask_image / strength reach the pipeline: the PNG records the task and its
+    strength, and the image is not the text-only one for the same seed."""
+    canvas = Image.new("RGB", (128, 128), (200, 40, 40))
+    mask = Image.new("L", (128, 128), 0)
+    mask.paste(255, (32, 32, 96, 96))
+
+    def b64(image: Image.Image) -> str:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    url = f"{server}/v1/images/generations"
+    base = {"prompt": PROMPTS[0], "seed": 5, "size": "128x128"}
+    text_only = httpx.post(url, json=base, timeout=120).json()["data"][0]["b64_json"]
+    for extra in (
+        {"init_image": b64(canvas), "strength": 0.6},
+        {"init_image": b64(canvas), "mask_image": b64(mask)},
+    ):
+        response = httpx.post(url, json={**base, **extra}, timeout=120)
+        assert response.status_code == 200, response.text
+        data = response.json()["data"][0]["b64_json"]
+        meta = png_meta(base64.b64decode(data))
+        assert meta["task"] == ("inpaint" if "mask_image" in extra else "img2img"), meta
+        assert data != text_only
