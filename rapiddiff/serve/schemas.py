@@ -14,7 +14,7 @@ import binascii
 import io
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,7 +54,11 @@ class ImageRequest(BaseModel):
     steps: int | None = Field(None, description="denoising steps (default: the model's)")
     guidance: float | None = Field(None, description="classifier-free guidance scale; ≤ 1 turns it off")
     scheduler: str | None = Field(None, description="pndm, ddim or dpm++ (default: the model's)")
-    knowledge: bool = Field(True, description="fuse the knowledge graph's facts (false: base text encoder)")
+    knowledge: bool | Literal["embed", "text", "both", "off"] = Field(
+        True,
+        description='fuse the knowledge graph\'s facts (false or "off": the base text encoder); or a mode: '
+        '"embed" (TransE vectors), "text" (the facts spelled into the prompt), "both"',
+    )
     upscale: bool | None = Field(None, description="ESRGAN ×4 (default: the server's setting)")
     init_image: str | None = Field(None, description="img2img: a base64 PNG/JPEG (when the pipeline has it)")
     mask_image: str | None = Field(None, description="inpainting: a base64 mask (white = repaint)")
@@ -75,7 +79,7 @@ class Settings:
     steps: int
     guidance: float
     scheduler: str
-    knowledge: bool
+    knowledge: bool | str
     upscale: bool
     image_key: int = 0  # requests with an init image never share a batch (0: none)
 

@@ -62,6 +62,14 @@ def test_openai_client_works_unchanged(server):
     )
     meta = png_meta(base64.b64decode(other.data[0].b64_json))
     assert (meta["seed"], meta["knowledge"], meta["guidance"]) == (3, False, 1.0)
+    spelled = client.images.generate(
+        prompt=PROMPTS[0],
+        size="128x128",
+        response_format="b64_json",
+        extra_body={"seed": 3, "knowledge": "text"},
+    )
+    meta = png_meta(base64.b64decode(spelled.data[0].b64_json))
+    assert (meta["knowledge"], meta["knowledge_mode"]) == (True, "text")
 
 
 def test_httpx_image_is_the_clis_image_byte_for_byte(server, tmp_path):
