@@ -467,7 +467,7 @@ def resumable_loader(
     trainer: pl.Trainer | None,
     *,
     batch_size: int,
-    num_workers: int | None = 0,
+    num_workers: int = 0,
     seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = True,
@@ -476,10 +476,8 @@ def resumable_loader(
     """A training DataLoader over :class:`ResumableSampler`, positioned where ``trainer`` resumes.
 
     Set ``use_distributed_sampler=False`` on the Trainer (:func:`run_cli` does): this sampler
-    shards by rank itself. ``num_workers=None``: :func:`auto_num_workers`.
+    shards by rank itself.
     """
-    if num_workers is None:
-        num_workers = auto_num_workers()
     rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def position() -> int:
