@@ -330,6 +330,7 @@ class PlainProgress(Callback):
         self.enabled = enabled
         self.lines: list[str] = []
         self._start: tuple[float, int] | None = None
+        self._printed: int | None = None  # the step last printed
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.enabled is None:
@@ -345,7 +346,7 @@ class PlainProgress(Callback):
         due = step > 0 and (step % every == 0 or last)
         if not (self.enabled and trainer.is_global_zero and self._start and due):
             return
-        if step == getattr(self, "_printed", None):
+        if step == self._printed:
             return  # several batches per optimizer step (gradient accumulation)
         self._printed = step
         elapsed, done = time.perf_counter() - self._start[0], step - self._start[1]
@@ -698,8 +699,9 @@ class RapidCLI(LightningCLI):
             kwargs["precision"] = auto_precision(config.get("accelerator"))
             log.info("trainer.precision unset: %s on this machine", kwargs["precision"])
         interval = config.get("log_every_n_steps")
-        if interval is not None and adapted_log_interval(interval, config.get("max_steps")) != interval:
-            kwargs["log_every_n_steps"] = adapted_log_interval(interval, config.get("max_steps"))
+        adapted = None if interval is None else adapted_log_interval(interval, config.get("max_steps"))
+        if adapted != interval:
+            kwargs["log_every_n_steps"] = adapted
             log.info(
                 "logging every %d steps (a %s-step run)", kwargs["log_every_n_steps"], config["max_steps"]
             )
