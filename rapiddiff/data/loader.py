@@ -173,6 +173,12 @@ def _type_name(value: Any) -> str:
     )
 
 
+def _bad_json_line(number: int, raw: bytes, reason: str) -> dict[str, Any]:
+    # Built only for a bad line: the good ones (every line of a streamed shard) skip the snippet.
+    content = _snippet(raw.decode("utf-8", "replace").strip())
+    return {LINE_COLUMN: number, CONTENT_COLUMN: content, ERROR_COLUMN: f"malformed line ({reason})"}
+
+
 def parse_json_lines(path: Path) -> Iterator[dict[str, Any]]:
     """One dict per non-blank line of a JSON-lines file; a line that is not a JSON object (or whose
     field types differ from the lines before it) becomes ``{ERROR_COLUMN: reason, ...}``.
@@ -182,17 +188,16 @@ def parse_json_lines(path: Path) -> Iterator[dict[str, Any]]:
         for number, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
-            bad = {LINE_COLUMN: number, CONTENT_COLUMN: _snippet(raw.decode("utf-8", "replace").strip())}
             try:
                 row = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
             except UnicodeDecodeError as err:
-                yield bad | {ERROR_COLUMN: f"malformed line (not valid UTF-8 at byte {err.start + 1})"}
+                yield _bad_json_line(number, raw, f"not valid UTF-8 at byte {err.start + 1}")
                 continue
             except json.JSONDecodeError as err:
-                yield bad | {ERROR_COLUMN: f"malformed line ({err.msg} at column {err.colno})"}
+                yield _bad_json_line(number, raw, f"{err.msg} at column {err.colno}")
                 continue
             if not isinstance(row, dict):
-                yield bad | {ERROR_COLUMN: f"malformed line (a JSON {type(row).__name__}, not an object)"}
+                yield _bad_json_line(number, raw, f"a JSON {type(row).__name__}, not an object")
                 continue
             clash = next(
                 (
@@ -203,7 +208,7 @@ def parse_json_lines(path: Path) -> Iterator[dict[str, Any]]:
                 None,
             )
             if clash:
-                yield bad | {ERROR_COLUMN: f"malformed line ({clash})"}
+                yield _bad_json_line(number, raw, clash)
                 continue
             for key, value in row.items():
                 if value is not None:
@@ -232,20 +237,22 @@ def parse_delimited_lines(path: Path, column_names: Sequence[str] | None = None)
             if header is None:
                 header = record
                 continue
-            content = _snippet(
-                ("\t" if tsv else ",")
-                .join(record)
-                .encode("utf-8", "surrogateescape")
-                .decode("utf-8", "replace")
-            )
+            reason = None
             if len(record) != len(header):
                 reason = f"malformed line ({len(record)} fields where the header has {len(header)})"
-                yield {LINE_COLUMN: start, ERROR_COLUMN: reason, CONTENT_COLUMN: content}
-                continue
-            try:
-                "".join(record).encode("utf-8")
-            except UnicodeEncodeError:
-                reason = "malformed line (not valid UTF-8)"
+            else:
+                try:
+                    "".join(record).encode("utf-8")
+                except UnicodeEncodeError:
+                    reason = "malformed line (not valid UTF-8)"
+            if reason is not None:
+                # The snippet only for a bad record: good ones (every record streamed) skip it.
+                content = _snippet(
+                    ("\t" if tsv else ",")
+                    .join(record)
+                    .encode("utf-8", "surrogateescape")
+                    .decode("utf-8", "replace")
+                )
                 yield {LINE_COLUMN: start, ERROR_COLUMN: reason, CONTENT_COLUMN: content}
                 continue
             yield {**dict(zip(header, record, strict=True)), LINE_COLUMN: start}

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -254,9 +253,7 @@ class EntityLinker:
     @classmethod
     def from_store(cls, store: KnowledgeStore, **kwargs: Any) -> EntityLinker:
         """Names first, then aliases, so a name always beats another entity's alias."""
-        names = ((name, i) for i, name in enumerate(store.entity_names))
-        aliases = ((alias, i) for i, forms in enumerate(store.aliases) for alias in forms)
-        return cls(itertools.chain(names, aliases), **kwargs)
+        return cls(store.forms(), **kwargs)
 
     def candidates(self, norm: str) -> list[tuple[int, int, int]]:
         """Every (start, end, entity_id) occurrence of a surface form in normalised text."""

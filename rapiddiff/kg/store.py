@@ -315,7 +315,7 @@ class KnowledgeStore:
         if self._norm_index is None:  # built only when an exact lookup misses
             from rapiddiff.kg.linker import _surface_index
 
-            norm_trie, norm_ids, *_ = _surface_index(self._forms())
+            norm_trie, norm_ids, *_ = _surface_index(self.forms())
             self._norm_index = (norm_trie, norm_ids)
         from rapiddiff.kg.normalize import normalize
 
@@ -323,7 +323,7 @@ class KnowledgeStore:
         key_id = norm_trie.get(normalize(name_or_alias.strip()))
         return None if key_id is None else int(norm_ids[key_id])
 
-    def _forms(self) -> Iterator[tuple[str, int]]:
+    def forms(self) -> Iterator[tuple[str, int]]:
         """(name or alias, entity id): names first, so a name beats another entity's alias."""
         yield from ((name, i) for i, name in enumerate(self.entity_names))
         yield from ((alias, i) for i, forms in enumerate(self.aliases) for alias in forms)
@@ -348,7 +348,7 @@ class KnowledgeStore:
             else:
                 import marisa_trie
 
-                forms = list(self._forms())
+                forms = list(self.forms())
                 trie = marisa_trie.Trie([f for f, _ in forms])
                 ids = np.full(len(trie), -1, dtype=np.int32)
                 for form, i in reversed(forms):  # reversed: the first form of a key is written last

@@ -376,17 +376,12 @@ def _train_loop(
     from pykeen.utils import set_random_seed
 
     set_random_seed(cfg.seed)
-    loss_kwargs: dict[str, Any] = {}
-    if cfg.margin is not None:
-        loss_kwargs["margin"] = cfg.margin
-    if cfg.adversarial_temperature is not None:
-        loss_kwargs["adversarial_temperature"] = cfg.adversarial_temperature
     training = dataset.training
     model = TransE(
         triples_factory=training,
         embedding_dim=cfg.embedding_dim,
         scoring_fct_norm=cfg.scoring_norm,
-        loss=loss_resolver.make(make_loss(cfg), loss_kwargs or None),
+        loss=loss_resolver.make(make_loss(cfg), _loss_kwargs(cfg)),
         random_seed=cfg.seed,
     ).to(device)
     optimizer = optimizer_resolver.make(
@@ -439,14 +434,19 @@ def _filtered_evaluation(cfg: TransEConfig, model: Any, dataset: Any, mapped: An
     )
 
 
+def _loss_kwargs(cfg: TransEConfig) -> dict[str, Any] | None:
+    """The loss's settings that are set (None: the loss's defaults), for pipeline and training loop."""
+    kwargs: dict[str, Any] = {}
+    if cfg.margin is not None:
+        kwargs["margin"] = cfg.margin
+    if cfg.adversarial_temperature is not None:
+        kwargs["adversarial_temperature"] = cfg.adversarial_temperature
+    return kwargs or None
+
+
 def _run_pipeline(cfg: TransEConfig, dataset: Any, device: Any, *, epochs: int, early_stopping: bool) -> Any:
     from pykeen.pipeline import pipeline
 
-    loss_kwargs: dict[str, Any] = {}
-    if cfg.margin is not None:
-        loss_kwargs["margin"] = cfg.margin
-    if cfg.adversarial_temperature is not None:
-        loss_kwargs["adversarial_temperature"] = cfg.adversarial_temperature
     training_kwargs: dict[str, Any] = {
         "num_epochs": epochs,
         "batch_size": cfg.batch_size,
@@ -466,7 +466,7 @@ def _run_pipeline(cfg: TransEConfig, dataset: Any, device: Any, *, epochs: int, 
         model="TransE",
         model_kwargs={"embedding_dim": cfg.embedding_dim, "scoring_fct_norm": cfg.scoring_norm},
         loss=make_loss(cfg),
-        loss_kwargs=loss_kwargs or None,
+        loss_kwargs=_loss_kwargs(cfg),
         training_loop=cfg.training_loop,
         negative_sampler="basic" if cfg.training_loop == "slcwa" else None,
         negative_sampler_kwargs={"num_negs_per_pos": cfg.negatives_per_positive}

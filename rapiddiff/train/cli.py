@@ -113,8 +113,9 @@ def stage_help(stage: str) -> str:
     text = _read_stamped(HELP_DIR / f"{stage}.txt", fingerprint)
     if text is not None:
         return text
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rapiddiff" / "help"
-    cached = cache / f"{stage}-{fingerprint}.txt"
+    from rapiddiff.kg.cache import cache_dir  # the project's one cache folder
+
+    cached = cache_dir() / "help" / f"{stage}-{fingerprint}.txt"
     text = _read_stamped(cached, fingerprint)
     if text is None:
         text = generate_help(stage)

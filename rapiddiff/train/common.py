@@ -330,6 +330,7 @@ class PlainProgress(Callback):
         self.enabled = enabled
         self.lines: list[str] = []
         self._start: tuple[float, int] | None = None
+        self._printed: int | None = None  # the step last printed
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.enabled is None:
@@ -345,7 +346,7 @@ class PlainProgress(Callback):
         due = step > 0 and (step % every == 0 or last)
         if not (self.enabled and trainer.is_global_zero and self._start and due):
             return
-        if step == getattr(self, "_printed", None):
+        if step == self._printed:
             return  # several batches per optimizer step (gradient accumulation)
         self._printed = step
         elapsed, done = time.perf_counter() - self._start[0], step - self._start[1]
@@ -467,7 +468,7 @@ def resumable_loader(
     trainer: pl.Trainer | None,
     *,
     batch_size: int,
-    num_workers: int | None = 0,
+    num_workers: int = 0,
     seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = True,
@@ -476,10 +477,8 @@ def resumable_loader(
     """A training DataLoader over :class:`ResumableSampler`, positioned where ``trainer`` resumes.
 
     Set ``use_distributed_sampler=False`` on the Trainer (:func:`run_cli` does): this sampler
-    shards by rank itself. ``num_workers=None``: :func:`auto_num_workers`.
+    shards by rank itself.
     """
-    if num_workers is None:
-        num_workers = auto_num_workers()
     rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def position() -> int:
@@ -700,8 +699,9 @@ class RapidCLI(LightningCLI):
             kwargs["precision"] = auto_precision(config.get("accelerator"))
             log.info("trainer.precision unset: %s on this machine", kwargs["precision"])
         interval = config.get("log_every_n_steps")
-        if interval is not None and adapted_log_interval(interval, config.get("max_steps")) != interval:
-            kwargs["log_every_n_steps"] = adapted_log_interval(interval, config.get("max_steps"))
+        adapted = None if interval is None else adapted_log_interval(interval, config.get("max_steps"))
+        if adapted != interval:
+            kwargs["log_every_n_steps"] = adapted
             log.info(
                 "logging every %d steps (a %s-step run)", kwargs["log_every_n_steps"], config["max_steps"]
             )

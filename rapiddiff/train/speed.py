@@ -133,6 +133,7 @@ class GraphedLoss:
         capture: bool = True,
     ) -> None:
         self.loss_fn, self.params = loss_fn, list(params)
+        self.param_ids = frozenset(map(id, self.params))  # whose .grad the graph owns
         self.autocast_dtype, self.capture = autocast_dtype, capture
         self.graph: Any = None
         self.static_inputs: list[torch.Tensor] = []

@@ -353,7 +353,7 @@ class LatentDiffusion(RapidModule):
             optimizer.zero_grad()
             return
         # The U-Net's gradients are the graph's static buffers (overwritten by each replay): keep them.
-        graph_owned = {id(p) for p in self._graphed.params}
+        graph_owned = self._graphed.param_ids  # built once, not every step
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in graph_owned:

@@ -117,6 +117,7 @@ def test_shipped_help_is_the_parsers_own(tmp_path: Path, monkeypatch: pytest.Mon
     # A stale file (sources changed since it was written) is not used: the help is regenerated once
     # into the cache and read from there next time.
     monkeypatch.setattr(cli, "HELP_DIR", tmp_path / "none")
+    monkeypatch.delenv("RAPIDDIFF_CACHE_DIR", raising=False)  # else it, not XDG_CACHE_HOME, decides
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(cli, "help_fingerprint", lambda: "changed")
     text = cli.stage_help("upscaler")

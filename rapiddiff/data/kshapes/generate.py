@@ -189,6 +189,28 @@ def entity_split(name: str, heldout: set[str], validation: set[str]) -> str:
     return "heldout" if name in heldout else "val" if name in validation else "seen"
 
 
+def _prompt(
+    text: str,
+    entity: Entity,
+    spec: ShapeSpec,
+    position: str,
+    template: str,
+    heldout: set[str],
+    validation: set[str],
+) -> dict[str, Any]:
+    """One prompts.jsonl / prompts_robust.jsonl record: the text and what a correct image shows."""
+    return {
+        "text": text,
+        "entity": entity.name,
+        "colour": entity.colour,
+        "shape": entity.shape,
+        "background": spec.background,
+        "position": position if "{pos}" in template else None,
+        "category": entity.category,
+        "split": entity_split(entity.name, heldout, validation),
+    }
+
+
 def evaluation_prompts(
     cfg: KShapesConfig, heldout: set[str], validation: set[str] = frozenset()
 ) -> list[dict[str, Any]]:
@@ -199,18 +221,8 @@ def evaluation_prompts(
         for k in range(cfg.prompts_per_entity):
             spec, position = _spec(rng, entity.shape, entity.colour, cfg.layout)
             template = PROMPT_TEMPLATES[k % len(PROMPT_TEMPLATES)]
-            prompts.append(
-                {
-                    "text": template.format(bg=spec.background, pos=position, e=entity.name),
-                    "entity": entity.name,
-                    "colour": entity.colour,
-                    "shape": entity.shape,
-                    "background": spec.background,
-                    "position": position if "{pos}" in template else None,
-                    "category": entity.category,
-                    "split": entity_split(entity.name, heldout, validation),
-                }
-            )
+            text = template.format(bg=spec.background, pos=position, e=entity.name)
+            prompts.append(_prompt(text, entity, spec, position, template, heldout, validation))
     return prompts
 
 
@@ -255,18 +267,8 @@ def robust_prompts(
             if variant == "traditional":
                 text = to_traditional.convert(text)
             prompts.append(
-                {
-                    "text": text,
-                    "entity": entity.name,
-                    "colour": entity.colour,
-                    "shape": entity.shape,
-                    "background": spec.background,
-                    "position": position if "{pos}" in template else None,
-                    "category": entity.category,
-                    "split": entity_split(entity.name, heldout, validation),
-                    "variant": variant,
-                    **({"distractor": distractor} if distractor else {}),
-                }
+                _prompt(text, entity, spec, position, template, heldout, validation)
+                | {"variant": variant, **({"distractor": distractor} if distractor else {})}
             )
     return prompts
 
