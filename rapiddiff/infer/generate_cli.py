@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import os
 import re
 import tempfile
 from pathlib import Path
@@ -37,12 +36,9 @@ Without --model, the built-in model in rapiddiff/assets/model/ is used (or $RAPI
 
 def default_model_dir() -> Path:
     """The model used without --model: $RAPIDDIFF_MODEL, else the one shipped in the package."""
-    env = os.environ.get("RAPIDDIFF_MODEL")
-    if env:
-        return Path(env)
-    import rapiddiff
+    from rapiddiff.models.bundle import builtin_model_dir
 
-    return Path(rapiddiff.__file__).parent / "assets" / "model"
+    return builtin_model_dir()
 
 
 def resolve_model_dir(model: str | None) -> Path:

@@ -108,6 +108,18 @@ class ModelBundle:
         )
 
 
+def builtin_model_dir() -> Path:
+    """The built-in model: ``$RAPIDDIFF_MODEL``, else the one shipped in the package
+    (``rapiddiff/assets/model``). ``rapiddiff generate`` without --model and ``pretrained: builtin``
+    in fine-tuning both use it."""
+    env = os.environ.get("RAPIDDIFF_MODEL")
+    if env:
+        return Path(env)
+    import rapiddiff
+
+    return Path(rapiddiff.__file__).parent / "assets" / "model"
+
+
 def check_parts(
     unet: nn.Module, vae: nn.Module, text_encoder: KnowledgeTextEncoder, *, where: str = ""
 ) -> None:
