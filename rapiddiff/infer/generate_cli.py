@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rapiddiff.models.sampling import SamplingDefaults
 from rapiddiff.utils.io import atomic_open, read_text_lines
 from rapiddiff.utils.logging import get_logger
 
@@ -170,7 +171,7 @@ def check_writable(folder: Path) -> None:
         ) from err
 
 
-DEFAULT_SAMPLING: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}
+DEFAULT_SAMPLING: dict[str, Any] = SamplingDefaults().to_dict()
 """The library's sampling defaults (:class:`rapiddiff.models.sampling.SamplingDefaults`), as kwargs."""
 
 

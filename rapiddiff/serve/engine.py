@@ -116,12 +116,10 @@ def batch_buckets(max_batch: int, chosen: list[int] | None = None) -> list[int]:
 
 
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
-    from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, model_sampling_defaults
     from rapiddiff.infer.pipeline import scheduler_choices
 
-    defaults = dict(DEFAULT_SAMPLING)
-    if pipe.model_path is not None:
-        defaults.update(model_sampling_defaults(pipe.model_path))
+    # The folder's rapiddiff.json "sampling" over the library's defaults, as the pipeline read it.
+    defaults = pipe.sampling.to_dict()
     if config.default_steps is not None:
         defaults["num_inference_steps"] = config.default_steps
     encoder = pipe.text_encoder
