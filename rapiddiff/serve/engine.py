@@ -224,7 +224,7 @@ class Engine:
         settings, extra = self.check(req)
         if self._closing:
             raise ApiError(503, "the server is shutting down; retry on another replica", code="shutting_down")
-        queued = sum(job.n for job in self.pending)
+        queued = self.queued_images()
         if queued + req.n > self.config.max_queue:
             raise ApiError(429, f"{queued} images are queued (limit {self.config.max_queue}); retry later",
                            code="queue_full")  # fmt: skip
