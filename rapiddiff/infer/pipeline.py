@@ -35,6 +35,7 @@ from rapiddiff.models.sampling import (  # re-exported: the names users of this 
     make_scheduler,
     scheduler_choices,
 )
+from rapiddiff.utils.io import file_sha256
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -614,14 +615,6 @@ def eager_denoise(
 
     with torch.inference_mode():
         return job.run(sampling.unet_model(pipe.unet), pipe.vae, decode=decode)
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _source(value: Any, what: str, mode: str) -> _Source:

@@ -155,7 +155,7 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
 
 def _checked_source(meta: dict[str, Any], key: str, where: str | Path) -> str:
     """The recorded init image / mask path, if the file is still the one the image was made from."""
-    from rapiddiff.infer.pipeline import file_sha256
+    from rapiddiff.utils.io import file_sha256
 
     path, digest = meta.get(key), meta.get(f"{key}_sha256")
     flag = "--init-image" if key == "init_image" else "--mask"

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -65,6 +66,15 @@ def removed_if_failed(folder: str | Path | None) -> Iterator[None]:
 
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """The SHA-256 of a file (hex), read in ``chunk``-byte blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
