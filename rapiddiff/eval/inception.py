@@ -20,11 +20,12 @@ acceptable here: there is no network, and a weights file must never run code. So
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rapiddiff.utils.io import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -73,18 +74,10 @@ def resolve_inception_weights(path: str | Path | None = None) -> Path:
     raise MissingInceptionWeightsError(missing_weights_message([f"{src} {p}" for src, p in candidates]))
 
 
-def sha256_of(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_weights(path: Path, expected_sha256: str | None = None) -> str:
     """Check the file's SHA-256 (default: the published file's); a mismatch is an error."""
     expected_sha256 = expected_sha256 or INCEPTION_SHA256
-    actual = sha256_of(path)
+    actual = file_sha256(path)
     if actual != expected_sha256:
         raise ValueError(
             f"{path}: sha256 {actual} is not that of {INCEPTION_FILE} ({expected_sha256}); the file is "

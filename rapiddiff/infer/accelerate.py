@@ -357,21 +357,7 @@ class GraphDenoiser:
         def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
             return self._unet_fn(x, t, ctx, kv)
 
-        cond = job.cond.to(self.unet.dtype)
-        uncond = job.uncond.to(self.unet.dtype) if job.uncond is not None else None
-        latents = sampling.denoise(
-            model,
-            job.latents,
-            cond,
-            uncond,
-            job.scheduler,
-            job.timesteps,
-            job.guidance_scale,
-            extra_step_kwargs=job.step_kwargs,
-            inpaint=job.inpaint,
-            progress=job.progress,
-        )
-        images = sampling.decode(self.vae, latents) if decode else None
+        latents, images = job.run(model, self.vae, decode=decode, dtype=self.unet.dtype)
         return latents.float(), images
 
     def _get_loop(

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import os
 import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from rapiddiff.models.sampling import SamplingDefaults
 from rapiddiff.utils.io import atomic_open, read_text_lines
 from rapiddiff.utils.logging import get_logger
 
@@ -37,12 +37,9 @@ Without --model, the built-in model in rapiddiff/assets/model/ is used (or $RAPI
 
 def default_model_dir() -> Path:
     """The model used without --model: $RAPIDDIFF_MODEL, else the one shipped in the package."""
-    env = os.environ.get("RAPIDDIFF_MODEL")
-    if env:
-        return Path(env)
-    import rapiddiff
+    from rapiddiff.models.bundle import builtin_model_dir
 
-    return Path(rapiddiff.__file__).parent / "assets" / "model"
+    return builtin_model_dir()
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -174,7 +171,7 @@ def check_writable(folder: Path) -> None:
         ) from err
 
 
-DEFAULT_SAMPLING: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 7.5, "scheduler": "pndm"}
+DEFAULT_SAMPLING: dict[str, Any] = SamplingDefaults().to_dict()
 """The library's sampling defaults (:class:`rapiddiff.models.sampling.SamplingDefaults`), as kwargs."""
 
 

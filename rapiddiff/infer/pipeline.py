@@ -35,6 +35,7 @@ from rapiddiff.models.sampling import (  # re-exported: the names users of this 
     make_scheduler,
     scheduler_choices,
 )
+from rapiddiff.utils.io import file_sha256
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from rapiddiff.models.bundle import ModelBundle
-    from rapiddiff.models.sampling import Inpaint
+    from rapiddiff.models.sampling import Inpaint, ModelFn
 
 log = get_logger(__name__)
 
@@ -80,6 +81,30 @@ class DenoiseJob:
     step_kwargs: dict[str, Any]  # eta / generators for stochastic schedulers
     inpaint: Inpaint | None = None
     progress: bool = False
+
+    def run(
+        self, model: ModelFn, vae: Any, *, decode: bool, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one eager loop (:func:`rapiddiff.models.sampling.denoise`) on this job with ``model``
+        (the text rows cast to ``dtype`` if given), then the VAE decode if ``decode``."""
+        from rapiddiff.models import sampling
+
+        cond, uncond = self.cond, self.uncond
+        if dtype is not None:
+            cond, uncond = cond.to(dtype), uncond.to(dtype) if uncond is not None else None
+        latents = sampling.denoise(
+            model,
+            self.latents,
+            cond,
+            uncond,
+            self.scheduler,
+            self.timesteps,
+            self.guidance_scale,
+            extra_step_kwargs=self.step_kwargs,
+            inpaint=self.inpaint,
+            progress=self.progress,
+        )
+        return latents, sampling.decode(vae, latents) if decode else None
 
 
 @dataclass
@@ -589,28 +614,7 @@ def eager_denoise(
     from rapiddiff.models import sampling
 
     with torch.inference_mode():
-        latents = sampling.denoise(
-            sampling.unet_model(pipe.unet),
-            job.latents,
-            job.cond,
-            job.uncond,
-            job.scheduler,
-            job.timesteps,
-            job.guidance_scale,
-            extra_step_kwargs=job.step_kwargs,
-            inpaint=job.inpaint,
-            progress=job.progress,
-        )
-        images = sampling.decode(pipe.vae, latents) if decode else None
-    return latents, images
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return job.run(sampling.unet_model(pipe.unet), pipe.vae, decode=decode)
 
 
 def _source(value: Any, what: str, mode: str) -> _Source:

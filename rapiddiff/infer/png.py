@@ -8,6 +8,7 @@ which :func:`read_png_metadata` prefers. :func:`generation_kwargs` turns what wa
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -27,6 +28,15 @@ _BOOLS = ("knowledge", "upscale")
 
 def save_png(image: Image.Image, path: str | Path, metadata: dict[str, Any]) -> Path:
     """Write ``image`` as PNG with ``metadata`` in text chunks (atomically); returns the path."""
+    path = Path(path)
+    with atomic_open(path, "wb") as handle:
+        handle.write(png_bytes(image, metadata))
+    make_readable(path)
+    return path
+
+
+def png_bytes(image: Image.Image, metadata: dict[str, Any]) -> bytes:
+    """The PNG :func:`save_png` writes, in memory (the server answers with it, no file between)."""
     from PIL.PngImagePlugin import PngInfo
 
     from rapiddiff import __version__
@@ -41,11 +51,9 @@ def save_png(image: Image.Image, path: str | Path, metadata: dict[str, Any]) -> 
     info.add_itxt(JSON_KEY, json.dumps(meta, ensure_ascii=False, sort_keys=True))
     if "prompt" in meta and "seed" in meta:
         info.add_itxt("parameters", _webui_parameters(meta))
-    path = Path(path)
-    with atomic_open(path, "wb") as handle:
-        image.save(handle, format="PNG", pnginfo=info)
-    make_readable(path)
-    return path
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
 
 
 def make_readable(path: Path) -> None:
@@ -147,7 +155,7 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
 
 def _checked_source(meta: dict[str, Any], key: str, where: str | Path) -> str:
     """The recorded init image / mask path, if the file is still the one the image was made from."""
-    from rapiddiff.infer.pipeline import file_sha256
+    from rapiddiff.utils.io import file_sha256
 
     path, digest = meta.get(key), meta.get(f"{key}_sha256")
     flag = "--init-image" if key == "init_image" else "--mask"

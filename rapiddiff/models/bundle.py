@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rapiddiff.models.weights import diagnose
-from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.io import atomic_write_text, read_json_object
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -106,6 +106,18 @@ class ModelBundle:
         check_parts(
             self.unet, self.vae, self.text_encoder, where=f"model folder {self.path}: " if self.path else ""
         )
+
+
+def builtin_model_dir() -> Path:
+    """The built-in model: ``$RAPIDDIFF_MODEL``, else the one shipped in the package
+    (``rapiddiff/assets/model``). ``rapiddiff generate`` without --model and ``pretrained: builtin``
+    in fine-tuning both use it."""
+    env = os.environ.get("RAPIDDIFF_MODEL")
+    if env:
+        return Path(env)
+    import rapiddiff
+
+    return Path(rapiddiff.__file__).parent / "assets" / "model"
 
 
 def check_parts(
@@ -342,16 +354,7 @@ def _install(new: Path, target: Path) -> None:
 
 def read_rapiddiff_info(path: str | Path) -> dict[str, Any]:
     """The folder's rapiddiff.json (empty for a plain diffusers folder)."""
-    file = Path(path) / RAPIDDIFF_FILE
-    if not file.is_file():
-        return {}
-    try:
-        info = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file}: not valid JSON ({err}); fix it or delete it") from err
-    if not isinstance(info, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(info).__name__}")
-    return info
+    return read_json_object(Path(path) / RAPIDDIFF_FILE)
 
 
 def read_sampling(path: str | Path) -> SamplingDefaults | None:

@@ -18,7 +18,6 @@ A ``train finetune`` LoRA folder holds::
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,13 +77,10 @@ def is_lora_folder(path: str | Path) -> bool:
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / INFO_FILE
-    if not file.is_file():
-        return {}
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from err
+    """The LoRA folder's info file (what ``train finetune`` recorded); empty when absent."""
+    from rapiddiff.utils.io import read_json_object
+
+    return read_json_object(Path(path) / INFO_FILE)
 
 
 def read_lora(path: str | Path) -> LoraWeights:
@@ -95,8 +91,7 @@ def read_lora(path: str | Path) -> LoraWeights:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"LoRA not found: {path}")
-    folder = path if path.is_dir() else path.parent
-    info = read_info(folder) if path.is_dir() else {}
+    info = read_info(path) if path.is_dir() else {}
     trained_scale = float(info.get("scale", 1.0))
     lora = LoraWeights(path=str(path.resolve()))
     weights_file = path / LORA_WEIGHTS if path.is_dir() else path

@@ -57,6 +57,8 @@ def create_app(config: ServeConfig | None = None, *, engine: Engine | None = Non
     """The app around ``engine`` (default: a new one for ``config``), which the app's lifespan
     loads in the background and closes (finishing its queue) at shutdown."""
     engine = engine or Engine(config or ServeConfig())
+    # The page is a packaged file: read it once here, not on every GET /.
+    page_html = resources.files("rapiddiff.serve").joinpath("page/index.html").read_text(encoding="utf-8")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,8 +94,7 @@ def create_app(config: ServeConfig | None = None, *, engine: Engine | None = Non
 
     @app.get("/", response_class=HTMLResponse, name="page")
     async def page() -> HTMLResponse:
-        html = resources.files("rapiddiff.serve").joinpath("page/index.html").read_text(encoding="utf-8")
-        return HTMLResponse(html)
+        return HTMLResponse(page_html)
 
     @app.get("/health", name="health")
     async def health() -> dict[str, str]:

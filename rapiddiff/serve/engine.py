@@ -17,13 +17,9 @@ import asyncio
 import contextlib
 import inspect
 import secrets
-import shutil
-import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rapiddiff.serve.config import ServeConfig
@@ -70,7 +66,6 @@ class Worker:
             initializer=_bind_device,
             initargs=(device,),
         )
-        self.scratch = Path(tempfile.mkdtemp(prefix="rapiddiff-serve-"))
         self.busy = False
 
 
@@ -116,12 +111,10 @@ def batch_buckets(max_batch: int, chosen: list[int] | None = None) -> list[int]:
 
 
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
-    from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, model_sampling_defaults
     from rapiddiff.infer.pipeline import scheduler_choices
 
-    defaults = dict(DEFAULT_SAMPLING)
-    if pipe.model_path is not None:
-        defaults.update(model_sampling_defaults(pipe.model_path))
+    # The folder's rapiddiff.json "sampling" over the library's defaults, as the pipeline read it.
+    defaults = pipe.sampling.to_dict()
     if config.default_steps is not None:
         defaults["num_inference_steps"] = config.default_steps
     encoder = pipe.text_encoder
@@ -231,7 +224,7 @@ class Engine:
         settings, extra = self.check(req)
         if self._closing:
             raise ApiError(503, "the server is shutting down; retry on another replica", code="shutting_down")
-        queued = sum(job.n for job in self.pending)
+        queued = self.queued_images()
         if queued + req.n > self.config.max_queue:
             raise ApiError(429, f"{queued} images are queued (limit {self.config.max_queue}); retry later",
                            code="queue_full")  # fmt: skip
@@ -338,7 +331,7 @@ class Engine:
 
     def _generate(self, worker: Worker, jobs: list[Job]) -> list[list[GeneratedImage]]:
         """Runs in the worker's thread: one pipeline call per ``max_batch`` rows, then PNG bytes."""
-        from rapiddiff.infer.png import save_png
+        from rapiddiff.infer.png import png_bytes
 
         s = jobs[0].settings
         rows = sorted(
@@ -374,10 +367,8 @@ class Engine:
             )
             pairs = zip(chunk, result.images[: len(chunk)], result.metadata[: len(chunk)], strict=True)
             for (seed, _, _, j), image, meta in pairs:
-                # The CLI's writer, so the bytes are the CLI's (metadata chunks included).
-                path = save_png(image, worker.scratch / f"{threading.get_ident()}-{seed}.png", meta)
-                by_seed[(j, seed)] = GeneratedImage(path.read_bytes(), seed, meta)
-                path.unlink()
+                # The CLI's PNG encoder, so the bytes are the CLI's (metadata chunks included).
+                by_seed[(j, seed)] = GeneratedImage(png_bytes(image, meta), seed, meta)
         for j, job in enumerate(jobs):
             out[j] = [by_seed[(j, seed)] for seed in job.seeds]
         return out
@@ -392,7 +383,6 @@ class Engine:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for worker in self.workers:
             worker.executor.shutdown(wait=True)
-            shutil.rmtree(worker.scratch, ignore_errors=True)
         log.info("shut down: queue finished (%d images served)", self.metrics.images)
 
 

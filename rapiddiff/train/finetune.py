@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rapiddiff.models.bundle import builtin_model_dir
 from rapiddiff.models.lora import FUSION_FILE, INFO_FILE, LORA_WEIGHTS, TEXT_LORA_FILE
 from rapiddiff.train.common import OptimConfig, RapidCLI, run_cli
 from rapiddiff.train.data import ImageTextData
@@ -61,13 +62,8 @@ class LoraSettings:
 
 
 def _resolve_pretrained(pretrained: str) -> str:
-    """``builtin`` → the model `rapiddiff generate` uses without --model ($RAPIDDIFF_MODEL, else
-    rapiddiff/assets/model). (infer has the same rule; train and infer never import each other.)"""
-    if pretrained != "builtin":
-        return pretrained
-    import rapiddiff
-
-    return os.environ.get("RAPIDDIFF_MODEL") or str(Path(rapiddiff.__file__).parent / "assets" / "model")
+    """``builtin`` → the model `rapiddiff generate` uses without --model (the one rule, in models)."""
+    return str(builtin_model_dir()) if pretrained == "builtin" else pretrained
 
 
 _LORA = LoraSettings()

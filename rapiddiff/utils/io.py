@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -65,6 +67,29 @@ def removed_if_failed(folder: str | Path | None) -> Iterator[None]:
 
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """The SHA-256 of a file (hex), read in ``chunk``-byte blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_json_object(file: str | Path) -> dict[str, Any]:
+    """A JSON object file (a folder's settings file); ``{}`` when it does not exist. Errors name it."""
+    file = Path(file)
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: not valid JSON ({err}); fix it or delete it") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
