@@ -14,6 +14,8 @@ Every switch reports what happened in ``pipe.report``: ``"on"``, ``"off"``, or
 layers that are not merged. A run the graph loop cannot express (a scheduler whose update is
 not linear, ``eta`` > 0, inpainting's per-pixel blending) runs the one eager loop of
 :mod:`rapiddiff.models.sampling` on the transformed modules, with the reason logged once.
+DeepCache (a job's ``deep_cache`` > 1) runs on the loop too: its full/cached pattern is fixed per
+evaluation index, so the captured graph holds it (one captured loop per interval).
 
     from rapiddiff.infer.accelerate import accelerate
     pipe = accelerate(pipe)                     # everything that pays, on this machine
@@ -332,9 +334,14 @@ class GraphDenoiser:
             plan = self.plan_for(job.scheduler, job.steps, job.start, not job.pure_noise)
             assert not isinstance(plan, str)
             start = job.noise if job.pure_noise else job.latents  # what row 0 of the plan's basis holds
-            loop = self._get_loop(plan, tuple(start.shape), tuple(context.shape), guidance)
+            loop = self._get_loop(plan, tuple(start.shape), tuple(context.shape), guidance, job.deep_cache)
+
+            def attempt() -> tuple[torch.Tensor, torch.Tensor | None]:
+                with self._deep_cache(job.deep_cache):
+                    return loop(start, context, job.guidance_scale)
+
             try:
-                latents, images = loop(start, context, job.guidance_scale)
+                latents, images = attempt()
             except RuntimeError as err:
                 if not loop.use_graph:
                     raise
@@ -342,7 +349,7 @@ class GraphDenoiser:
                 self._set("loop", f"fallback: resident (CUDA graph capture failed: {str(err)[:200]})")
                 self._loop_kind, loop.use_graph, loop.graph = "resident", False, None
                 torch.cuda.synchronize()
-                latents, images = loop(start, context, job.guidance_scale)
+                latents, images = attempt()
         self._maybe_save_cache()
         return latents, images if decode else None
 
@@ -357,21 +364,43 @@ class GraphDenoiser:
         def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
             return self._unet_fn(x, t, ctx, kv)
 
-        latents, images = job.run(model, self.vae, decode=decode, dtype=self.unet.dtype)
+        latents, images = job.run(model, self.vae, decode=decode, dtype=self.unet.dtype, unet=self.unet)
         return latents.float(), images
 
+    def _deep_cache(self, interval: int) -> Any:
+        """DeepCache's wrappers installed around one loop run (a graph replay never calls them;
+        the capture and a resident run do, in evaluation order)."""
+        if interval <= 1:
+            import contextlib
+
+            return contextlib.nullcontext()
+        from rapiddiff.models.deep_cache import DeepCache
+
+        return DeepCache.of(self.unet).active(interval)
+
     def _get_loop(
-        self, plan: LinearPlan | ClippedDDIMPlan, noise_shape: tuple, context_shape: tuple, guidance: bool
+        self,
+        plan: LinearPlan | ClippedDDIMPlan,
+        noise_shape: tuple,
+        context_shape: tuple,
+        guidance: bool,
+        deep_cache: int = 1,
     ) -> DenoiseLoop:
-        key = (noise_shape, context_shape, guidance, plan.num_evaluations, id(plan))
+        key = (noise_shape, context_shape, guidance, plan.num_evaluations, id(plan), deep_cache)
         if key not in self._loops:
             while len(self._loops) >= max(1, self.config.max_graphs):
                 self._loops.pop(next(iter(self._loops)))  # oldest first; its graph pool is freed
             _, _, h, w = noise_shape
             self._ensure_backends(context_shape[0], h, w, context_shape[1])
             graph = self._loop_kind == "graph"
+            unet_fn: Any = self._unet_fn
+            if deep_cache > 1:
+                from rapiddiff.models.deep_cache import DeepCache
+
+                # Each loop run makes exactly num_evaluations U-Net calls, in order.
+                unet_fn = DeepCache.of(self.unet).stepped(self._unet_fn, deep_cache, plan.num_evaluations)
             self._loops[key] = DenoiseLoop(
-                self._unet_fn,
+                unet_fn,
                 plan,
                 noise_shape=noise_shape,
                 context_shape=context_shape,

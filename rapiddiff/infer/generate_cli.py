@@ -27,6 +27,7 @@ EPILOG = """examples:
   rapiddiff generate "红色的番茄" --init-image photo.png --strength 0.6           # img2img
   rapiddiff generate "一个香蕉" --init-image photo.png --mask mask.png            # inpainting (white = repaint)
   rapiddiff generate "一只熊猫" --lora runs/finetune/lora/model:0.8              # a LoRA at 0.8
+  rapiddiff generate "一只熊猫" --deep-cache 3                # faster, approximate (DeepCache)
 
 Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size, model,
 upscaler file, LoRAs and init image / mask (path + sha256) in text chunks; --from-png reads them
@@ -130,6 +131,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fast", action="store_true", help="use the accelerated inference path (rapiddiff.infer.accelerate)"
+    )
+    parser.add_argument(
+        "--deep-cache",
+        type=int,
+        metavar="N",
+        help="opt-in, approximate: run the whole U-Net every N steps and reuse its deep features in "
+        "between (DeepCache); faster, at a measured quality cost (BENCHMARKS.md). Default: exact",
     )
     parser.add_argument(
         "--no-knowledge", action="store_true", help="switch the knowledge fusion off (the base text encoder)"
@@ -256,6 +264,10 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         kwargs["knowledge"] = args.knowledge
     if args.no_knowledge:
         kwargs["knowledge"] = False
+    if args.deep_cache is not None:
+        from rapiddiff.models.deep_cache import check_interval
+
+        kwargs["deep_cache"] = check_interval(args.deep_cache, "--deep-cache")
     if "scheduler" in kwargs:  # bad names fail before loading
         kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
     if kwargs.get("num_inference_steps", 1) < 1:

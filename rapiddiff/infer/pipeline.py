@@ -81,29 +81,48 @@ class DenoiseJob:
     step_kwargs: dict[str, Any]  # eta / generators for stochastic schedulers
     inpaint: Inpaint | None = None
     progress: bool = False
+    deep_cache: int = 1  # DeepCache interval: the whole U-Net every N evaluations (1 = exact)
 
     def run(
-        self, model: ModelFn, vae: Any, *, decode: bool, dtype: torch.dtype | None = None
+        self,
+        model: ModelFn,
+        vae: Any,
+        *,
+        decode: bool,
+        dtype: torch.dtype | None = None,
+        unet: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The one eager loop (:func:`rapiddiff.models.sampling.denoise`) on this job with ``model``
-        (the text rows cast to ``dtype`` if given), then the VAE decode if ``decode``."""
+        (the text rows cast to ``dtype`` if given), then the VAE decode if ``decode``. ``unet``:
+        the U-Net ``model`` calls, which ``deep_cache`` > 1 needs."""
+        import contextlib
+
         from rapiddiff.models import sampling
 
         cond, uncond = self.cond, self.uncond
         if dtype is not None:
             cond, uncond = cond.to(dtype), uncond.to(dtype) if uncond is not None else None
-        latents = sampling.denoise(
-            model,
-            self.latents,
-            cond,
-            uncond,
-            self.scheduler,
-            self.timesteps,
-            self.guidance_scale,
-            extra_step_kwargs=self.step_kwargs,
-            inpaint=self.inpaint,
-            progress=self.progress,
-        )
+        steps: Any = contextlib.nullcontext()
+        if self.deep_cache > 1:
+            if unet is None:
+                raise ValueError("deep_cache > 1 needs the U-Net the model calls (DenoiseJob.run(unet=...))")
+            from rapiddiff.models.deep_cache import DeepCache
+
+            steps = DeepCache.of(unet).active(self.deep_cache)
+        with steps as on_step:
+            latents = sampling.denoise(
+                model,
+                self.latents,
+                cond,
+                uncond,
+                self.scheduler,
+                self.timesteps,
+                self.guidance_scale,
+                extra_step_kwargs=self.step_kwargs,
+                inpaint=self.inpaint,
+                progress=self.progress,
+                on_step=on_step,
+            )
         return latents, sampling.decode(vae, latents) if decode else None
 
 
@@ -409,6 +428,7 @@ class RapidDiffusionPipeline:
         mask_image: str | Path | Image.Image | None = None,
         output_type: Literal["pil", "np", "pt", "latent"] = "pil",
         progress: bool = True,
+        deep_cache: int = 1,
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
@@ -424,6 +444,10 @@ class RapidDiffusionPipeline:
         the schedule the image is noised). Inpainting: also ``mask_image`` (white = repaint;
         ``strength`` default 1.0). Without ``height``/``width`` the init image's size is used
         (rounded down to the model's size multiple); the image is resized to the size given.
+
+        ``deep_cache=N`` (opt-in, approximate): the whole U-Net runs every N evaluations and the
+        steps between reuse its deep features (DeepCache, :mod:`rapiddiff.models.deep_cache`);
+        1 is the exact path. Recorded in the metadata when > 1.
         """
         import time
 
@@ -439,6 +463,9 @@ class RapidDiffusionPipeline:
         sched_name = canonical_scheduler_name(scheduler or defaults.scheduler)
         if steps < 1:
             raise ValueError(f"num_inference_steps must be ≥ 1, got {steps}")
+        from rapiddiff.models.deep_cache import check_interval
+
+        check_interval(deep_cache)
         if num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be ≥ 1, got {num_images_per_prompt}")
         if output_type not in ("pil", "np", "pt", "latent"):
@@ -477,6 +504,8 @@ class RapidDiffusionPipeline:
         )
         if settings["knowledge"] and knowledge_mode != "embed":
             settings["knowledge_mode"] = knowledge_mode  # "text" / "both": --from-png must know it
+        if deep_cache > 1:
+            settings["deep_cache"] = deep_cache  # an approximation: --from-png must remake it too
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
@@ -512,6 +541,7 @@ class RapidDiffusionPipeline:
             step_kwargs=sampling.step_kwargs(sched, gens, eta),
             inpaint=inpaint,
             progress=progress,
+            deep_cache=deep_cache,
         )
         latents, images = self.denoise(job, decode=output_type != "latent")
         times["denoise_decode"] = time.perf_counter() - t0
@@ -614,7 +644,7 @@ def eager_denoise(
     from rapiddiff.models import sampling
 
     with torch.inference_mode():
-        return job.run(sampling.unet_model(pipe.unet), pipe.vae, decode=decode)
+        return job.run(sampling.unet_model(pipe.unet), pipe.vae, decode=decode, unet=pipe.unet)
 
 
 def _source(value: Any, what: str, mode: str) -> _Source:

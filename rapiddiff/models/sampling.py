@@ -247,12 +247,15 @@ def denoise(
     extra_step_kwargs: dict[str, Any] | None = None,
     inpaint: Inpaint | None = None,
     progress: bool = False,
+    on_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """The denoising loop: for each t, ε = model(x_t, t, text); CFG; x_{t-1} = scheduler.step.
 
     ``latents`` [N, C, h, w] are the start (noise × init_noise_sigma, or the noised image);
     ``cond``/``uncond`` [N, L, D] one row per latent, ``uncond=None`` means no guidance;
     ``scheduler`` has had ``set_timesteps`` and ``timesteps`` is (the tail of) its ``.timesteps``.
+    ``on_step(i)`` runs before the model's i-th evaluation (DeepCache's full/cached choice:
+    :mod:`rapiddiff.models.deep_cache`).
     """
     import torch
     from tqdm.auto import tqdm
@@ -270,6 +273,8 @@ def denoise(
         x_in = scheduler.scale_model_input(x_in, t)
         if extra is not None:
             x_in = torch.cat([x_in, extra.to(x_in.dtype)], dim=1)  # (.., 2C + 1, h, w)
+        if on_step is not None:
+            on_step(i)
         out = model(x_in, t, context)
         if guided:
             out_uncond, out_text = out.chunk(2)
