@@ -8,9 +8,9 @@ How to run them on a CUDA machine (for the device tool: carry the wheels that
 
     python -m pytest tests/infer/test_gpu_parity.py -q -m gpu
 
-Last run: H100, 2026-11-22 22:43 UTC, 29 passed (see BENCHMARKS.md, "One generation path: GPU
-parity"). That run left torch.compile ("defaults") on img2img and inpainting out to save device
-time; those two cases are now part of the set and have not yet run on a GPU.
+Last run: H100, 2026-11-23 ~01:05 UTC, ``python3 -m pytest -m gpu -q tests``: 34 passed, 1 skipped
+(Ray Serve, an optional extra), torch.compile on img2img and inpainting included (see BENCHMARKS.md,
+"DeepCache" and "One generation path: GPU parity").
 """
 
 from __future__ import annotations
