@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The kshapes chain for 3 seeds on one GPU in two device calls of < 10 minutes (issue 18).
+#   bash benchmarks/kshapes_chain_device.sh prep OUT          # call 1: data, TransE, CLIP, upscaler ‖ VAE recipes
+#   bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED  # call 2: U-Nets with the best VAE, evaluation
+# Call 1 writes OUT/seed-S.tgz (kshapes_chain.py --pack) and OUT/vae_best.tgz (the recipe comparison's
+# winner, benchmarks/kshapes_vae_recipes.py, trained on seed 0's data beside the chain); call 2 reads
+# them from CARRIED. Files in OUT stay ≤ 8, each < 16 MiB (the device tool's limits).
+set -u
+part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
+mkdir -p "$out"
+if [ "$part" = prep ]; then
+  timeout 540 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part prep --no-vae-stage \
+    --workers 2 --pack "$out" > "$out/chain_prep.log" 2>&1 &
+  chain=$!
+  until grep -q "data: exit 0" $work/seed-0.log 2>/dev/null || ! kill -0 $chain 2>/dev/null; do sleep 2; done
+  timeout $((530 - SECONDS)) python benchmarks/kshapes_vae_recipes.py --out /tmp/vr --data $work/seed-0/data \
+    --minutes "${VAE_MINUTES:-5.5}" --recipes "${RECIPES:-shipped,lr1e-3,lr1e-3_c64,lr1e-3_deep,lr1e-3_c128}" \
+    --workers 2 --eval-images 300 --best-to "$out/vae_best.tgz" > "$out/vae_recipes.log" 2>&1
+  wait $chain
+  cp /tmp/vr/results.md "$out/vae_results.md" 2>/dev/null
+  tar czf "$out/logs.tgz" /tmp/vr/*.log /tmp/vr/results.json $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
+else
+  carried=$3
+  mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
+  timeout 560 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
+    --vae /tmp/vae_best/vae --workers 2 > "$out/chain_unet.log" 2>&1
+  cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
+  tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
+  best=$(python -c "import json; print(json.load(open('$work/summary.json'))['selection']['best_seed'])" 2>/dev/null)
+  # the best seed's built-in model (≈ 19 MB): two parts under 16 MiB; a few images to look at
+  [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
+  tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -6) 2>/dev/null
+fi
+ls -la "$out"
