@@ -26,33 +26,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name → overrides of configs/vae/kshapes.yaml. "shipped": the config before this comparison.
 LR = ["--model.optim.lr=1e-3", "--model.optim.warmup_steps=200"]
+# Every recipe names its architecture: configs/vae/kshapes.yaml itself changed with this comparison.
+PRESET = '--model.architecture={"block_out_channels": [32, 64, 64, 64]}'  # the kshapes preset's own
+C64 = '--model.architecture={"block_out_channels": [64, 64, 64, 64]}'
 RECIPES: dict[str, list[str]] = {
-    "shipped": ["--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
-    "lr1e-3": LR,
+    # The config before this comparison (the preset's channels, lr 2e-4).
+    "shipped": [PRESET, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
+    "lr1e-3": [PRESET, *LR],
     # 1.73 M parameters: a second ResNet block per level.
-    "lr1e-3_deep": [*LR, '--model.architecture={"layers_per_block": 2}'],
+    "lr1e-3_deep": [
+        *LR,
+        '--model.architecture={"block_out_channels": [32, 64, 64, 64], "layers_per_block": 2}',
+    ],
     # 1.45 M: 64 channels at the full-resolution level, where the edges are.
-    "lr1e-3_c64": [*LR, '--model.architecture={"block_out_channels": [64, 64, 64, 64]}'],
+    "lr1e-3_c64": [*LR, C64],
     # 3.88 M (7.8 MB fp16): more channels at the 32² and 16² levels; a capacity reference.
     "lr1e-3_c128": [*LR, '--model.architecture={"block_out_channels": [32, 64, 128, 128]}'],
     # A KL weight 100× larger: better-behaved latent scales (one channel blew up at lr 1e-3, kl 1e-6).
-    "lr1e-3_kl1e-4": [*LR, "--model.loss.kl_weight=1e-4"],
+    "lr1e-3_kl1e-4": [PRESET, *LR, "--model.loss.kl_weight=1e-4"],
     # L1 alone (no SSIM term) at lr 2e-3: flat shapes need no perceptual term.
     "lr2e-3_l1only": [
+        PRESET,
         "--model.optim.lr=2e-3",
         "--model.optim.warmup_steps=200",
         "--model.loss.perceptual=none",
     ],
     # MSE: the loss PSNR measures.
-    "lr1e-3_l2": [*LR, "--model.loss.reconstruction=l2"],
-    # After the first comparison (lr 1e-3 blew one latent channel up, 64 channels at 128² helped):
-    "c64": ['--model.architecture={"block_out_channels": [64, 64, 64, 64]}'],
-    "c64_lr5e-4_kl1e-4": [
-        "--model.optim.lr=5e-4",
-        "--model.loss.kl_weight=1e-4",
-        '--model.architecture={"block_out_channels": [64, 64, 64, 64]}',
-    ],
-    "kl1e-4": ["--model.loss.kl_weight=1e-4"],
+    "lr1e-3_l2": [PRESET, *LR, "--model.loss.reconstruction=l2"],
+    # After the first comparison (lr 1e-3 blew one latent channel up, 64 channels at 128² helped).
+    # "c64" is configs/vae/kshapes.yaml since 2026-11-23.
+    "c64": [C64, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
+    "c64_lr5e-4_kl1e-4": [C64, "--model.optim.lr=5e-4", "--model.loss.kl_weight=1e-4"],
+    "kl1e-4": [PRESET, "--model.optim.lr=2e-4", "--model.loss.kl_weight=1e-4"],
 }
 
 
