@@ -75,6 +75,10 @@ class ChainConfig:
     with knowledge off needs neither; skipping them halves the GPU the chain's stages share."""
     eval_fid: bool = True
     """FID on the knowledge-on CLIP's image tower (needs the full CLIP folder, not a packed one)."""
+    unet_speed: bool = True
+    """the U-Net stage's small-model speed switches (GPU-resident data, captured step, fused AdamW and
+    EMA: BENCHMARKS.md "Small models: the kshapes U-Net step"); the stage config leaves them off."""
+    """FID on the knowledge-on CLIP's image tower (needs the full CLIP folder, not a packed one)."""
 
 
 def main() -> int:
@@ -272,7 +276,12 @@ class Chain:
             if not _done(out):
                 text = [f"--model.text_encoder={self.out / f'clip_{mode}'}"]
                 if mode == "off":  # no store, so no fusion to train: the U-Net alone
-                    text += ["--model.trainable=[unet]", "--model.speed.cache_text=true"]
+                    text.append("--model.trainable=[unet]")
+                if self.cfg.unet_speed:
+                    text += ["--model.speed.gpu_data=true", "--model.speed.foreach_ema=true",
+                             "--model.speed.cuda_graph=true", "--model.optim.fused=true"]  # fmt: skip
+                    if mode == "off":  # frozen text side: its states are cached once
+                        text.append("--model.speed.cache_text=true")
                 jobs[f"unet_{mode}"] = self.training(
                     "unet", self.cfg.unet, out, *data, f"--model.vae={self.out / 'vae'}", *text
                 )
