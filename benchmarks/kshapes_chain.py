@@ -70,6 +70,15 @@ class ChainConfig:
     """also evaluate prompts_robust.jsonl (wording no training caption uses), knowledge on and off."""
     eval_text_mode: bool = True
     """also evaluate knowledge mode "text" (KG facts spelled into the prompt) on the same U-Net: the ceiling."""
+    train_off: bool = True
+    """also train the no-knowledge baselines (CLIP off, U-Net off). The knowledge-on model evaluated
+    with knowledge off needs neither; skipping them halves the GPU the chain's stages share."""
+    eval_fid: bool = True
+    """FID on the knowledge-on CLIP's image tower (needs the full CLIP folder, not a packed one)."""
+    unet_speed: bool = True
+    """the U-Net stage's small-model speed switches (GPU-resident data, captured step, fused AdamW and
+    EMA: BENCHMARKS.md "Small models: the kshapes U-Net step"); the stage config leaves them off."""
+    """FID on the knowledge-on CLIP's image tower (needs the full CLIP folder, not a packed one)."""
 
 
 def main() -> int:
@@ -88,14 +97,35 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, help="data-loader workers per training process (default: the config's)"
     )
+    parser.add_argument("--vae", type=Path, help="a trained VAE folder to use instead of training one")
+    parser.add_argument(
+        "--no-vae-stage",
+        action="store_true",
+        help="prep without the VAE (it comes from elsewhere, e.g. kshapes_vae_recipes.py --best-to: "
+        "give it to --part unet with --vae)",
+    )
+    parser.add_argument(
+        "--pack", type=Path, help="after prep: write PACK/seed-S.tgz, what --part unet needs (small, fp16)"
+    )
+    parser.add_argument(
+        "--unpack", type=Path, help="before --part unet: extract UNPACK/seed-S.tgz (written by --pack)"
+    )
     args = parser.parse_args()
     if args.seeds:
         return run_seeds(args)
     overrides = {k: v for k, v in (("seed", args.seed), ("workers", args.workers)) if v is not None}
     cfg = load_config(ChainConfig, args.config, **overrides)
     chain = Chain(args.out.resolve(), cfg, smoke=args.smoke)
+    chain.train_vae = not args.no_vae_stage
+    if args.vae and not _done(chain.out / "vae"):
+        shutil.copytree(args.vae, chain.out / "vae")
+    if args.unpack:
+        unpack(args.unpack / f"seed-{cfg.seed}.tgz", chain.out)
     if args.part in ("all", "prep"):
         chain.prep()
+        chain.write_results()
+        if args.pack:
+            pack(chain.out, args.pack / f"seed-{cfg.seed}.tgz", with_vae=not args.vae)
     if args.part in ("all", "unet"):
         chain.unet_and_eval()
     chain.write_results()
@@ -113,6 +143,7 @@ class Chain:
         self.python = sys.executable
         self.timings: dict[str, float] = {}
         self.on_gpu = _has_cuda()
+        self.train_vae = True
 
     # ---- running commands -------------------------------------------------------------------
     def rapiddiff(self, *args: str) -> list[str]:
@@ -192,14 +223,14 @@ class Chain:
             )
         jobs = {}
         data = [f"--data.train={self.data / 'train'}", f"--data.val={self.data / 'val'}"]
-        for mode in ("on", "off"):
+        for mode in ("on", "off") if self.cfg.train_off else ("on",):
             out = self.out / f"clip_{mode}"
             if not _done(out):
                 knowledge = (
                     [f"--model.knowledge_store={store}"] if mode == "on" else ["--model.knowledge=false"]
                 )
                 jobs[f"clip_{mode}"] = self.training("clip", self.cfg.clip, out, *data, *knowledge)
-        if not _done(self.out / "vae"):
+        if self.train_vae and not _done(self.out / "vae"):
             jobs["vae"] = self.training("vae", self.cfg.vae, self.out / "vae", *data)
         if not _done(self.out / "upscaler"):
             pairs = [f"--data.train_lr={self.data / 'train'}", f"--data.train_hr={self.data / 'hr/train'}",
@@ -212,7 +243,7 @@ class Chain:
     def vae_recon(self) -> dict[str, list[str]]:
         """The VAE's reconstructions of fresh test renders, read by the detector (its own benchmark)."""
         target = self.results / "vae_recon"
-        if (target / "kshapes_vae_recon.json").exists():
+        if (target / "kshapes_vae_recon.json").exists() or not _done(self.out / "vae"):
             return {}
         n = "16" if self.smoke else "300"
         size = "64" if self.smoke else "128"
@@ -223,7 +254,7 @@ class Chain:
     def recall(self) -> None:
         lists = self.entity_lists()
         jobs = {}
-        for train in ("on", "off"):
+        for train in ("on", "off") if self.cfg.train_off else ("on",):
             for test in ("on", "off") if train == "on" else ("off",):
                 for split, path in lists.items():
                     target = self.results / f"recall_clip-{train}_test-{test}_{split}.json"
@@ -240,12 +271,17 @@ class Chain:
         self.ensure_data()
         data = [f"--data.train={self.data / 'train'}", f"--data.val={self.data / 'val'}"]
         jobs = {}
-        for mode in ("on", "off"):
+        for mode in ("on", "off") if self.cfg.train_off else ("on",):
             out = self.out / f"unet_{mode}"
             if not _done(out):
                 text = [f"--model.text_encoder={self.out / f'clip_{mode}'}"]
                 if mode == "off":  # no store, so no fusion to train: the U-Net alone
                     text.append("--model.trainable=[unet]")
+                if self.cfg.unet_speed:
+                    text += ["--model.speed.gpu_data=true", "--model.speed.foreach_ema=true",
+                             "--model.speed.cuda_graph=true", "--model.optim.fused=true"]  # fmt: skip
+                    if mode == "off":  # frozen text side: its states are cached once
+                        text.append("--model.speed.cache_text=true")
                 jobs[f"unet_{mode}"] = self.training(
                     "unet", self.cfg.unet, out, *data, f"--model.vae={self.out / 'vae'}", *text
                 )
@@ -274,8 +310,9 @@ class Chain:
         # (model, prompts, modes) per evaluation. The knowledge-off model has no store: only "off".
         # "text" spells the KG facts into the prompt for the same U-Net: the ceiling for "on".
         on_modes = "on,off,text" if self.cfg.eval_text_mode else "on,off"
-        runs = {"knowledge_unet-on": ("unet_on", self.data, on_modes),
-                "knowledge_unet-off": ("unet_off", self.data, "off")}  # fmt: skip
+        runs = {"knowledge_unet-on": ("unet_on", self.data, on_modes)}
+        if self.cfg.train_off:
+            runs["knowledge_unet-off"] = ("unet_off", self.data, "off")
         if self.cfg.eval_robust:
             runs["knowledge_robust_unet-on"] = ("unet_on", self.data / "prompts_robust.jsonl", "on,off")
         jobs = {}
@@ -290,7 +327,7 @@ class Chain:
             self.run_parallel(jobs)
         # FID on the project's own image tower (offline variant, labelled so): generated vs real renders.
         jobs = {}
-        for mode in ("on", "off"):
+        for mode in ("on", "off") if self.cfg.eval_fid else ():
             target = self.results / f"fid_clip_unet-{mode}.json"
             fake = self.results / f"knowledge_unet-{mode}" / f"knowledge_{mode}"
             if not target.exists() and fake.exists():
@@ -346,10 +383,17 @@ class Chain:
             rows.append(
                 f"- TransE held-out triples: filtered MRR {m.get('mrr')}, Hits@10 {m.get('hits_at_10')}"
             )
+        logged = self.results / "logged.json"
+        values = json.loads(logged.read_text("utf-8")) if logged.exists() else {}
         for stage, key in (("vae", "val/psnr"), ("upscaler", "val/psnr"), ("upscaler", "val/psnr_bicubic")):
-            value = _last_logged(self.out / "runs" / stage, key)
+            value = (
+                _last_logged(self.out / "runs" / stage, key) if (self.out / "runs" / stage).exists() else None
+            )
             if value is not None:
-                rows.append(f"- {stage} {key}: {value:.2f} dB")
+                values[f"{stage} {key}"] = value
+        for name, value in values.items():
+            rows.append(f"- {name}: {value:.2f} dB")
+        logged.write_text(json.dumps(values, indent=1), "utf-8")
         for path in sorted(self.results.glob("fid_clip_*.json")):
             rows.append(f"- {path.stem}: {json.loads(path.read_text('utf-8'))}")
         for path in sorted(self.results.glob("recall_*.json")):
@@ -386,6 +430,78 @@ def assemble_builtin_model(unet_dir: Path, upscaler: Path, data: Path, out: Path
     print(f"[chain] vocabulary: {prune_vocabulary(bundle.text_encoder, texts)}", flush=True)
     bundle.sampling = SamplingDefaults(num_inference_steps=steps, guidance_scale=7.5, scheduler="pndm")
     save_model_folder(bundle, out)
+
+
+def pack(out: Path, target: Path, with_vae: bool = True) -> Path:
+    """What ``--part unet`` needs from ``--part prep``, small enough to travel between two device
+    calls: the knowledge-on (and -off) CLIP's text side with its vocabulary pruned to the texts the
+    chain uses (``prune_vocabulary``: identical outputs on them) in fp16 safetensors, the upscaler,
+    the VAE (unless it came from ``--vae``: pass it again), TransE's metrics and results/. The data
+    is not packed: it is regenerated from the seed."""
+    import tarfile
+    import tempfile
+
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+    from rapiddiff.models.vocab import prune_vocabulary
+
+    texts = _chain_texts(out / "data")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = Path(tmp)
+        for clip in sorted(out.glob("clip_*")):
+            encoder = KnowledgeTextEncoder.from_pretrained(clip)
+            print(f"[chain] pack {clip.name}: vocabulary {prune_vocabulary(encoder, texts)}", flush=True)
+            encoder.save_pretrained(stage / clip.name)
+        for name in ("upscaler", "vae", "results") if with_vae else ("upscaler", "results"):
+            if (out / name).exists():
+                shutil.copytree(out / name, stage / name, ignore=shutil.ignore_patterns("*.png"))
+        if (out / "kg" / "config.json").exists():
+            (stage / "kg").mkdir()
+            shutil.copy(out / "kg" / "config.json", stage / "kg" / "config.json")
+        cast_safetensors(stage, "float16")
+        with tarfile.open(target, "w:gz") as tar:
+            tar.add(stage, arcname=".")
+    print(f"[chain] packed {target} ({target.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return target
+
+
+def unpack(source: Path, out: Path) -> None:
+    """Extract a :func:`pack` archive into ``out`` (weights back to fp32 for training)."""
+    import tarfile
+
+    if not source.is_file():
+        raise SystemExit(f"--unpack: {source} not found (write it with --part prep --pack DIR)")
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(source) as tar:
+        tar.extractall(out, filter="data")
+    cast_safetensors(out, "float32", only=[out / n for n in ("upscaler", "vae") if (out / n).exists()]
+                     + sorted(out.glob("clip_*")))  # fmt: skip
+
+
+def cast_safetensors(root: Path, dtype: str, only: list[Path] | None = None) -> None:
+    """Cast every floating tensor of every .safetensors file under ``root`` (or ``only``) in place."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target = getattr(torch, dtype)
+    for folder in only if only is not None else [root]:
+        for file in sorted(folder.rglob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                meta = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+            save_file(tensors, str(file), metadata=meta)
+
+
+def _chain_texts(data: Path) -> list[str]:
+    """Every text the chain's U-Net stage and evaluations feed the text encoder."""
+    files = [data / split / "metadata.jsonl" for split in ("train", "val", "test")]
+    files += [data / "prompts.jsonl", data / "prompts_robust.jsonl"]
+    texts = [
+        json.loads(line)["text"] for file in files if file.exists() for line in file.open(encoding="utf-8")
+    ]
+    return texts
 
 
 def record_kg_only_entities(data: Path, model: Path) -> Path:
@@ -459,7 +575,11 @@ def run_seeds(args: argparse.Namespace) -> int:
     for i, seed in enumerate(seeds):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out / f"seed-{seed}"),
                "--seed", str(seed), "--config", str(args.config), "--part", args.part,
-               "--workers", str(workers), *(["--smoke"] if args.smoke else [])]  # fmt: skip
+               "--workers", str(workers), *(["--smoke"] if args.smoke else []),
+               *(["--vae", str(args.vae.resolve())] if args.vae else []),
+               *(["--no-vae-stage"] if args.no_vae_stage else []),
+               *(["--pack", str(args.pack.resolve())] if args.pack else []),
+               *(["--unpack", str(args.unpack.resolve())] if args.unpack else [])]  # fmt: skip
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,19 +25,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # name → overrides of configs/vae/kshapes.yaml. "shipped": the config before this comparison.
+LR = ["--model.optim.lr=1e-3", "--model.optim.warmup_steps=200"]
+# Every recipe names its architecture: configs/vae/kshapes.yaml itself changed with this comparison.
+PRESET = '--model.architecture={"block_out_channels": [32, 64, 64, 64]}'  # the kshapes preset's own
+C64 = '--model.architecture={"block_out_channels": [64, 64, 64, 64]}'
 RECIPES: dict[str, list[str]] = {
-    "shipped": ["--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
-    "lr1e-3": ["--model.optim.lr=1e-3", "--model.optim.warmup_steps=200"],
+    # The config before this comparison (the preset's channels, lr 2e-4).
+    "shipped": [PRESET, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
+    "lr1e-3": [PRESET, *LR],
+    # 1.73 M parameters: a second ResNet block per level.
     "lr1e-3_deep": [
-        "--model.optim.lr=1e-3",
-        "--model.optim.warmup_steps=200",
-        '--model.architecture={"layers_per_block": 2}',
+        *LR,
+        '--model.architecture={"block_out_channels": [32, 64, 64, 64], "layers_per_block": 2}',
     ],
-    "lr1e-3_wide": [
-        "--model.optim.lr=1e-3",
+    # 1.45 M: 64 channels at the full-resolution level, where the edges are.
+    "lr1e-3_c64": [*LR, C64],
+    # 3.88 M (7.8 MB fp16): more channels at the 32² and 16² levels; a capacity reference.
+    "lr1e-3_c128": [*LR, '--model.architecture={"block_out_channels": [32, 64, 128, 128]}'],
+    # A KL weight 100× larger: better-behaved latent scales (one channel blew up at lr 1e-3, kl 1e-6).
+    "lr1e-3_kl1e-4": [PRESET, *LR, "--model.loss.kl_weight=1e-4"],
+    # L1 alone (no SSIM term) at lr 2e-3: flat shapes need no perceptual term.
+    "lr2e-3_l1only": [
+        PRESET,
+        "--model.optim.lr=2e-3",
         "--model.optim.warmup_steps=200",
-        '--model.architecture={"block_out_channels": [64, 128, 128, 128]}',
+        "--model.loss.perceptual=none",
     ],
+    # MSE: the loss PSNR measures.
+    "lr1e-3_l2": [PRESET, *LR, "--model.loss.reconstruction=l2"],
+    # After the first comparison (lr 1e-3 blew one latent channel up, 64 channels at 128² helped).
+    # "c64" is configs/vae/kshapes.yaml since 2026-11-23.
+    "c64": [C64, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
+    "c64_lr5e-4_kl1e-4": [C64, "--model.optim.lr=5e-4", "--model.loss.kl_weight=1e-4"],
+    "kl1e-4": [PRESET, "--model.optim.lr=2e-4", "--model.loss.kl_weight=1e-4"],
 }
 
 
@@ -50,6 +71,17 @@ def main() -> int:
     parser.add_argument("--eval-images", type=int, default=300)
     parser.add_argument("--workers", type=int, default=3, help="data-loader workers per recipe")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 3 steps each, CPU")
+    parser.add_argument(
+        "--calibration-images",
+        type=int,
+        default=256,
+        help="images the exported scaling_factor is measured on (export runs on the CPU after training)",
+    )
+    parser.add_argument(
+        "--best-to",
+        type=Path,
+        help="write the best recipe's VAE folder here as a .tgz (both %%, then object PSNR)",
+    )
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +114,7 @@ def main() -> int:
             "--checkpoint.every_n_train_steps=1000000", "--samples.every_n_steps=1000000",
             f"--trainer.default_root_dir={root}", f"--output={root / 'model'}",
             f"--data.train={data / 'train'}", f"--data.val={data / 'val'}", f"--data.image_size={size}",
+            f"--model.calibration_images={args.calibration_images}",
             f"--data.batch_size={4 if args.smoke else 32}", f"--data.num_workers={0 if args.smoke else args.workers}",
         ]  # fmt: skip
         log = open(out / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
@@ -91,24 +124,51 @@ def main() -> int:
             time.time(),
         )
         print(f"[recipes] start {name}", flush=True)
+    trained = []
     for name, (proc, log, start) in procs.items():
         code = proc.wait()
         log.close()
         print(f"[recipes] {name}: exit {code} after {time.time() - start:.0f} s", flush=True)
-        if code:
+        if code:  # one failing recipe does not cost the others' results
             print((out / f"{name}.log").read_text("utf-8")[-3000:], flush=True)
-            return code
+        else:
+            trained.append(name)
     scorers = {}
-    for name in names:
+    for name in trained:
         cmd = [python, str(ROOT / "benchmarks/kshapes_vae_recon.py"), "--vae", str(out / name / "model"),
                "--n", "8" if args.smoke else str(args.eval_images), "--size", str(size), "--out", str(out / name / "recon")]  # fmt: skip
-        scorers[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
-    results = {}
+        score_log = open(out / f"{name}.score.log", "w", encoding="utf-8")  # noqa: SIM115 (child owns it)
+        scorers[name] = subprocess.Popen(cmd, stdout=score_log, stderr=subprocess.STDOUT, cwd=ROOT)
+    results: dict[str, dict] = {}
     for name, proc in scorers.items():
         if proc.wait():
-            raise SystemExit(f"scoring {name} failed")
+            print(f"[recipes] scoring {name} failed", flush=True)
+            continue
         results[name] = json.loads((out / name / "recon" / "kshapes_vae_recon.json").read_text("utf-8"))
         results[name]["steps"] = _steps(out / name)
+        _write(out, results, seconds, args, gpu)  # after each recipe: a cut-off call keeps what was scored
+    if args.best_to and results:
+        import tarfile
+
+        best = max(
+            results, key=lambda n: (results[n]["accuracy_recon"]["both"], results[n]["psnr_object_db"])
+        )
+        half = out / "best_fp16"  # fp16 weights: small enough to travel to the next device call
+        shutil.rmtree(half, ignore_errors=True)
+        shutil.copytree(out / best / "model", half)
+        for file in half.rglob("*.safetensors"):
+            from safetensors.torch import load_file, save_file
+
+            save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(file).items()}, file)
+        with tarfile.open(args.best_to, "w:gz") as tar:
+            tar.add(half, arcname="vae")
+        print(f"[recipes] best: {best} → {args.best_to}", flush=True)
+    return 0 if len(results) == len(names) else 1
+
+
+def _write(out: Path, results: dict[str, dict], seconds: int, args: argparse.Namespace, gpu: bool) -> None:
+    import torch
+
     lines = [
         f"VAE recipes, {seconds} s of training each, all at once ({'GPU: ' + torch.cuda.get_device_name() if gpu else 'CPU'}); "
         f"{args.eval_images if not args.smoke else 8} test renders (seed 1234):",
@@ -125,7 +185,6 @@ def main() -> int:
     (out / "results.md").write_text("\n".join(lines) + "\n", "utf-8")
     (out / "results.json").write_text(json.dumps(results, ensure_ascii=False, indent=1), "utf-8")
     print("\n".join(lines), flush=True)
-    return 0
 
 
 def _steps(run: Path) -> int | None:

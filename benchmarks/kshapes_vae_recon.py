@@ -71,13 +71,14 @@ def measure(vae: Any, items: list[Item], size: int, batch_size: int = 32) -> dic
     masks = [np.asarray(render_mask(it.spec, size)) > 0 for it in items]
     recons: list[np.ndarray] = []
     latents = []
+    device = next(vae.parameters()).device
     for start in range(0, len(items), batch_size):
         x = torch.from_numpy(np.stack(renders[start : start + batch_size])).permute(0, 3, 1, 2)
-        x = x.float().div(127.5).sub(1)  # (B, 3, H, W) in [-1, 1]
+        x = x.to(device).float().div(127.5).sub(1)  # (B, 3, H, W) in [-1, 1]
         dist = vae.encode(x).latent_dist
-        latents.append(dist.sample(generator=torch.Generator().manual_seed(start)))
+        latents.append(dist.sample(generator=torch.Generator(device=device).manual_seed(start)).cpu())
         y = vae.decode(dist.mode()).sample.clamp(-1, 1)
-        recons += list(((y + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy())
+        recons += list(((y + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy())
     z = torch.cat(latents)  # (N, C, h, w), posterior samples: what the U-Net trains on
     rows = []
     for item, original, recon, mask in zip(items, renders, recons, masks, strict=True):
@@ -176,10 +177,11 @@ def main() -> int:
     )
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     from rapiddiff.train.vae import load_vae
 
-    vae = load_vae(str(args.vae)).eval()
+    vae = load_vae(str(args.vae)).eval().to(args.device)  # fp32 either way
     start = time.time()
     result = measure(vae, test_items(args.n, args.seed, args.size), args.size)
     summary = summarise(result, vae, args, time.time() - start)

@@ -88,12 +88,14 @@ _VAES: dict[str, dict[str, Any]] = {
         "scaling_factor": 0.18215,
     },
     "kshapes": {
-        # Four blocks ⇒ three downsamplings ⇒ the same 8× factor as SD (~1.25 M parameters).
+        # Four blocks ⇒ three downsamplings ⇒ the same 8× factor as SD (~1.45 M parameters). 64
+        # channels at 128² too (was 32): reconstructions read back right 85 % vs 72 % in the same
+        # time, without specks (BENCHMARKS.md "kshapes: the VAE's reconstructions").
         "sample_size": 128,
         "in_channels": 3,
         "out_channels": 3,
         "latent_channels": 4,
-        "block_out_channels": [32, 64, 64, 64],
+        "block_out_channels": [64, 64, 64, 64],
         "layers_per_block": 1,
         "down_block_types": ["DownEncoderBlock2D"] * 4,
         "up_block_types": ["UpDecoderBlock2D"] * 4,

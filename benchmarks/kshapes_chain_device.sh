@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The kshapes chain for 3 seeds on one GPU in two device calls of < 10 minutes (issue 18).
+#   bash benchmarks/kshapes_chain_device.sh prep OUT          # call 1: data, TransE, CLIP, upscaler ‖ VAE recipes
+#   bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED  # call 2: U-Nets with the best VAE, evaluation
+#   bash benchmarks/kshapes_chain_device.sh wheels WHEELS DEST   # here, once: DEST = slim wheels + prelude.sh
+# Device calls carry DEST (inside an ignored folder of the repository) and begin with
+# `source DEST/prelude.sh TREE`: the 64 MiB carry limit leaves no room for the full wheel folder
+# plus the artifacts call 2 needs (no serving stack; jieba without its LAC and POS models).
+# Call 1 writes OUT/seed-S.tgz (kshapes_chain.py --pack) and OUT/vae_best.tgz (the recipe comparison's
+# winner, benchmarks/kshapes_vae_recipes.py, trained on seed 0's data beside the chain); call 2 reads
+# them from CARRIED. Files in OUT stay ≤ 8, each < 16 MiB (the device tool's limits).
+set -u
+part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
+if [ "$part" = wheels ]; then
+  wheels=$2; dest=$3; rm -rf "$dest"; mkdir -p "$dest"
+  for w in "$wheels"/*.whl; do
+    case $(basename "$w") in
+      jieba-*|fastapi-*|starlette-*|uvicorn-*|httpx-*|httpcore-*|h11-*|anyio-*|sniffio-*|certifi-*|idna-*|annotated_doc-*) ;;
+      *) cp "$w" "$dest/" ;;
+    esac
+  done
+  tmp=$(mktemp -d); (cd "$tmp" && unzip -q "$wheels"/jieba-*.whl && rm -rf jieba/lac_small jieba/analyse/idf.txt jieba/posseg/*.p \
+    && tar czf "$dest/jieba_slim.tgz" jieba jieba-*.dist-info); rm -rf "$tmp"
+  rel=$(basename "$dest")
+  cat > "$dest/prelude.sh" <<PRELUDE
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wt/$rel/*.whl || return 1
+tar xzf .wt/$rel/jieba_slim.tgz -C /tmp/site || return 1
+mkdir -p .wt/\$1/rapiddiff && cp -r rapiddiff/assets .wt/\$1/rapiddiff/ 2>/dev/null
+export PYTHONPATH=/tmp/site:\$PWD/.wt/\$1 PYTHONUNBUFFERED=1
+cd .wt/\$1
+PRELUDE
+  du -sh "$dest"; exit 0
+fi
+mkdir -p "$out"
+if [ "$part" = prep ]; then
+  timeout 540 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part prep --no-vae-stage \
+    --workers 2 --pack "$out" > "$out/chain_prep.log" 2>&1 &
+  chain=$!
+  until grep -q "data: exit 0" $work/seed-0.log 2>/dev/null || ! kill -0 $chain 2>/dev/null; do sleep 2; done
+  timeout $((530 - SECONDS)) python benchmarks/kshapes_vae_recipes.py --out /tmp/vr --data $work/seed-0/data \
+    --minutes "${VAE_MINUTES:-5.5}" --recipes "${RECIPES:-c64}" \
+    --workers 2 --eval-images 300 --best-to "$out/vae_best.tgz" > "$out/vae_recipes.log" 2>&1
+  wait $chain
+  cp /tmp/vr/results.md "$out/vae_results.md" 2>/dev/null
+  tar czf "$out/logs.tgz" /tmp/vr/*.log /tmp/vr/results.json $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
+else
+  carried=$3
+  mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
+  timeout 560 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
+    --vae /tmp/vae_best/vae --workers 2 > "$out/chain_unet.log" 2>&1
+  cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
+  tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
+  best=$(python -c "import json; print(json.load(open('$work/summary.json'))['selection']['best_seed'])" 2>/dev/null)
+  # the best seed's built-in model (≈ 19 MB): two parts under 16 MiB; a few images to look at
+  [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
+  tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -6) 2>/dev/null
+fi
+ls -la "$out"
