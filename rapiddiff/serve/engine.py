@@ -12,23 +12,27 @@ When to wait for company (:meth:`Engine._company_until`): a worker waits up to `
 more matching requests only while some could come — never for a lone request. Triton's dynamic
 batcher (``max_queue_delay_microseconds``), TorchServe (``max_batch_delay``) and Ray Serve's
 ``@serve.batch`` (``batch_wait_timeout_s``, timed from a batch's first request since
-ray-project/ray#36510) hold every partial batch for the full timeout when one is set; that
-costs a client sending one request at a time the whole wait on every request (the H100 table in
-BENCHMARKS.md: 0.30 vs 0.28 s). Here the evidence that company is coming is:
+ray-project/ray#36510) hold a partial batch for up to the timeout whatever the traffic; with no
+timeout they batch only what queued while the model was busy (Ray moved its default from 0 to
+10 ms, ray-project/ray#55126, because 0 rarely batched). A fixed wait costs a client that sends
+one request at a time the whole wait on every request (the H100 table in BENCHMARKS.md: 0.30 vs
+0.28 s). Here the evidence that company is coming is:
 
 * *returning clients*: requests answered (or being PNG-encoded, about to be answered) in the last
-  ``max_wait``, minus the requests that arrived since. Closed-loop clients answered by one batch
+  second (:data:`RETURN_WINDOW_S`), minus the requests that arrived since. Closed-loop clients answered by one batch
   come back together, so the first of four returning clients waits for the other three — and no
   longer (it does not wait for a batch of ``max_batch`` that cannot form). A lone client's answer is
   consumed by its own next request, so that request runs at once;
-* *a burst in progress*: another request that was not a returning client arrived in the last
-  ``max_wait`` and is not answered yet (more of the burst may follow).
+* *a burst in progress*: another request with the head's settings that was not a returning
+  client arrived in the last ``max_wait`` and is not answered yet (more of the burst may follow).
 
-The wait ends when the batch is full, the evidence runs out, or ``max_wait`` after the later of
-the head's arrival and the moment this worker became free (a request that queued behind a busy
-worker still gets one chance to be joined). The first request of a burst after a quiet spell
-runs alone: nothing could have told the server that others follow; the rest of the burst queues
-behind it and forms the next batch.
+The wait ends when the batch is full, when the evidence runs out, or ``max_wait`` after the
+latest of: the head's arrival, this worker finishing its last batch, and the answer to the last
+request of that batch (a request that queued behind a busy worker still gets one chance to be
+joined by the clients that batch answered: that is how closed-loop clients answered apart come
+back in step). The first request of a burst after a quiet spell runs alone: nothing could have
+told the server that others follow; the rest of the burst queues behind it, and the two groups
+merge again when the first is answered.
 
 PNG encoding runs in a small thread pool, not in the device's thread: the worker starts its next
 batch while the previous one is encoded (at most :data:`ENCODE_BACKLOG` batches a worker waiting
@@ -68,6 +72,11 @@ log = get_logger(__name__)
 
 ENCODE_BACKLOG = 2
 """Most sampled batches a worker may leave waiting for the PNG encoder before it samples another."""
+
+RETURN_WINDOW_S = 1.0
+"""How long an answer counts as a client that may come back (or ``max_wait``, if longer). Only
+whether to wait depends on it, never how long: a client's round trip (5–18 ms on a loaded 2-core
+machine) must not have to fit inside ``max_wait`` for its batch-mates to wait for it."""
 
 Encoder = Callable[[np.ndarray, dict[str, Any]], bytes]
 """(one image, H×W×3 floats in [0, 1]; its metadata) → the PNG file's bytes."""
@@ -129,6 +138,8 @@ class Worker:
         self.busy = False
         self.free_since = time.monotonic()  # when it last finished sampling (or was made)
         self.encoding: set[asyncio.Task[None]] = set()  # its sampled batches the encoder has not finished
+        self.unanswered = 0  # requests it sampled that are not answered yet (PNGs being encoded)
+        self.answered_at = 0.0  # when the last of them was answered
         # With the fast path: (height, width) → {captured batch size: seconds per call}, from warm-up.
         self.bucket_seconds: dict[tuple[int, int], dict[int, float]] = {}
 
@@ -347,8 +358,10 @@ class Engine:
         )
         self._forget_old(job.arrived)
         if self._answered:  # most likely a client that was just answered, coming back
-            self._answered.popleft()
+            answered = self._answered.popleft()
             job.returning = True
+            log.debug("a request %.1f ms after an answer: taken for that client coming back",
+                      1000 * (job.arrived - answered))  # fmt: skip
         else:
             self._fresh.append(job)
         self.pending.append(job)
@@ -363,13 +376,15 @@ class Engine:
     def _matching_images(self, settings: Settings) -> int:
         return sum(job.n for job in self.pending if job.settings == settings)
 
+    def _return_window(self) -> float:
+        return max(self.config.max_wait_ms / 1000, RETURN_WINDOW_S)
+
     def _forget_old(self, now: float) -> None:
-        """Drop evidence older than ``max_wait``: a client that has not come back by then, or a
-        burst that has gone quiet, is not worth waiting for."""
-        horizon = now - self.config.max_wait_ms / 1000
-        while self._answered and self._answered[0] <= horizon:
+        """Drop stale evidence: a client not back within the return window, or a burst quiet for
+        ``max_wait``, is not worth waiting for."""
+        while self._answered and self._answered[0] <= now - self._return_window():
             self._answered.popleft()
-        while self._fresh and self._fresh[0].arrived <= horizon:
+        while self._fresh and self._fresh[0].arrived <= now - self.config.max_wait_ms / 1000:
             self._fresh.popleft()
 
     def _company_until(self, head: Job, now: float) -> float | None:
@@ -378,13 +393,12 @@ class Engine:
         self._forget_old(now)
         if self._encoding_jobs:  # answered within milliseconds; their clients may come back
             return math.inf
-        window = self.config.max_wait_ms / 1000
         times = []
         if self._answered:  # answered clients not yet back
-            times.append(self._answered[0] + window)
-        others = [job.arrived for job in self._fresh if job is not head]
-        if others:  # a burst of new clients in progress
-            times.append(max(others) + window)
+            times.append(self._answered[0] + self._return_window())
+        others = [job.arrived for job in self._fresh if job is not head and job.settings == head.settings]
+        if others:  # a burst of new clients in progress (of this batch's settings)
+            times.append(max(others) + self.config.max_wait_ms / 1000)
         return min(times) if times else None
 
     def _pop_batch(self, head: Job) -> list[Job]:
@@ -415,10 +429,9 @@ class Engine:
                 await asyncio.wait(worker.encoding, return_when=asyncio.FIRST_COMPLETED)
                 continue
             head = self.pending[0]
-            # Wait for the head's batch to fill while company may still come (_company_until),
-            # at most max_wait after the head arrived or this worker became free; another worker
-            # may take it meanwhile.
-            deadline = max(head.arrived, worker.free_since) + max_wait
+            # Wait for the head's batch to fill while company may still come (_company_until), at
+            # most max_wait after the head arrived, this worker became free, or the requests of its
+            # last batch were answered (their clients may come back); another worker may take it.
             while (
                 head in self.pending
                 and not self._closing
@@ -426,6 +439,11 @@ class Engine:
             ):
                 now = time.monotonic()
                 until = self._company_until(head, now)
+                deadline = (
+                    math.inf  # answered within milliseconds: then max_wait for their clients
+                    if worker.unanswered and max_wait > 0
+                    else max(head.arrived, worker.free_since, worker.answered_at) + max_wait
+                )
                 if until is None or now >= deadline:
                     break
                 wake.clear()
@@ -469,11 +487,12 @@ class Engine:
 
     def _encode_later(self, worker: Worker, sampled: list[Sampled]) -> None:
         self._encoding_jobs += len(sampled)
-        task = asyncio.create_task(self._encode(sampled))
+        worker.unanswered += len(sampled)
+        task = asyncio.create_task(self._encode(worker, sampled))
         worker.encoding.add(task)
         task.add_done_callback(worker.encoding.discard)
 
-    async def _encode(self, sampled: list[Sampled]) -> None:
+    async def _encode(self, worker: Worker, sampled: list[Sampled]) -> None:
         """Each request's PNGs in the encode pool, answered as soon as they are ready; an encoding
         error fails that request only."""
         loop = asyncio.get_running_loop()
@@ -487,6 +506,8 @@ class Engine:
                 _resolve(item.job, images)
             finally:
                 self._encoding_jobs -= 1
+                worker.unanswered -= 1
+                worker.answered_at = time.monotonic()
                 # Answered: no longer a sign of a burst, but its client may come back with another.
                 with contextlib.suppress(ValueError):
                     self._fresh.remove(item.job)

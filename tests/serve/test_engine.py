@@ -344,6 +344,40 @@ def test_concurrent_clients_are_still_batched(builtin_pipe, clients, max_batch, 
         assert max(later) < max_wait / 2, later
 
 
+def test_clients_split_by_a_lone_first_request_come_back_in_step(builtin_pipe):
+    """The first request of a burst runs alone (it does not wait); the rest queue behind it. When
+    it is answered, its client's next request joins them: from then on the four are one batch."""
+    gate = threading.Event()
+    calls: list = []
+
+    class Held(RecordingPipeline):
+        def __init__(self, pipe, calls):
+            super().__init__(pipe, calls, gate)
+
+    async def client(engine, k):
+        for r in range(3):
+            prompt = f"{HOLD}番茄" if (k, r) == (0, 0) else f"番茄{k}"
+            await engine.generate(ImageRequest(prompt=prompt, seed=100 * k + r))
+
+    async def scenario(engine):
+        first = asyncio.create_task(client(engine, 0))
+        while not calls:  # bounded by run_engine's timeout: until the first request is sampling
+            await asyncio.sleep(0.01)
+        others = [asyncio.create_task(client(engine, k)) for k in (1, 2, 3)]
+        while len(engine.pending) < 3:
+            await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.gather(first, *others)
+
+    engine, _ = run_engine(
+        quick(max_batch=8, max_wait_ms=2000), builtin_pipe, scenario, calls=calls, wrap=Held
+    )
+    # alone; the three with the first client's second request; all four; the last three
+    assert [len(c[0]) for c in calls] == [1, 4, 4, 3]
+    assert engine.metrics.batch_images == {1: 1, 4: 2, 3: 1}
+    assert engine.metrics.queue_wait[0] < 1.0  # the lone first request did not wait
+
+
 def test_the_worker_samples_the_next_batch_while_the_last_is_encoded(builtin_pipe):
     """PNG encoding runs in the encode pool: the worker's next pipeline call starts before the last
     batch's PNGs are done (the encoder of the first image waits for that call to begin)."""
