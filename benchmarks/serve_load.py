@@ -5,7 +5,8 @@ Two servers on one loaded model, in one run: the baseline answers one request at
 same closed-loop load: C clients, each sending its requests one after another, for C in
 ``--concurrency``. The servers are real (uvicorn on 127.0.0.1, the app ``rapiddiff serve`` runs,
 requests through httpx); the model copy is loaded once and shared, so the fast path's compiled
-graphs are built once (during the first server's warm-up, before ``/ready``, not timed).
+graphs are built once (during the first server's warm-up, before ``/ready``, not timed). Each
+level also reports the engine's recorded queue waits (arrival → its batch starts sampling).
 
     # the built-in model on the CPU
     python benchmarks/serve_load.py --device cpu --concurrency 1 4 16

@@ -106,7 +106,6 @@ class Job:
     extra: dict[str, Any]
     future: asyncio.Future[list[GeneratedImage]]
     arrived: float = field(default_factory=time.monotonic)
-    returning: bool = False  # its arrival matched a recent answer (a client coming back)
 
     @property
     def n(self) -> int:
@@ -359,7 +358,6 @@ class Engine:
         self._forget_old(job.arrived)
         if self._answered:  # most likely a client that was just answered, coming back
             answered = self._answered.popleft()
-            job.returning = True
             log.debug("a request %.1f ms after an answer: taken for that client coming back",
                       1000 * (job.arrived - answered))  # fmt: skip
         else:
