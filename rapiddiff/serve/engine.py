@@ -445,8 +445,9 @@ class Engine:
                 if until is None or now >= deadline:
                     break
                 wake.clear()
+                timeout = min(deadline, until) - now  # infinite while answers are being encoded
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), min(deadline, until) - now)
+                    await asyncio.wait_for(wake.wait(), None if math.isinf(timeout) else timeout)
             if head not in self.pending:
                 continue
             batch = self._pop_batch(head)
