@@ -5,7 +5,8 @@ Two servers on one loaded model, in one run: the baseline answers one request at
 same closed-loop load: C clients, each sending its requests one after another, for C in
 ``--concurrency``. The servers are real (uvicorn on 127.0.0.1, the app ``rapiddiff serve`` runs,
 requests through httpx); the model copy is loaded once and shared, so the fast path's compiled
-graphs are built once (during the first server's warm-up, before ``/ready``, not timed).
+graphs are built once (during the first server's warm-up, before ``/ready``, not timed). Each
+level also reports the engine's recorded queue waits (arrival → its batch starts sampling).
 
     # the built-in model on the CPU
     python benchmarks/serve_load.py --device cpu --concurrency 1 4 16
@@ -134,14 +135,22 @@ def measure(
         asyncio.run(closed_loop(url, 1, 1, body))  # one untimed request through the HTTP path
         for clients in concurrency:
             before = batch_stats(url)
+            engine.metrics.queue_wait.clear()  # arrival → batch start, as the engine recorded it
             row = asyncio.run(closed_loop(url, clients, per_client(clients), body))
             after = batch_stats(url)
             calls = after[1] - before[1]
-            row.update(concurrency=clients, mean_batch=(after[0] - before[0]) / calls if calls else 0.0)
+            waits = list(engine.metrics.queue_wait)
+            row.update(
+                concurrency=clients,
+                mean_batch=(after[0] - before[0]) / calls if calls else 0.0,
+                queue_wait_p50_ms=1000 * quantile(waits, 0.5),
+                queue_wait_max_ms=1000 * max(waits, default=float("nan")),
+            )
             rows.append(row)
             print(
                 f"  c={clients:>2}: {row['images_per_s']:.2f} img/s, p50 {row['p50_s']:.2f} s, "
-                f"p95 {row['p95_s']:.2f} s, mean batch {row['mean_batch']:.1f} ({row['requests']} requests)",
+                f"p95 {row['p95_s']:.2f} s, mean batch {row['mean_batch']:.1f}, queue wait p50 "
+                f"{row['queue_wait_p50_ms']:.1f} ms ({row['requests']} requests)",
                 flush=True,
             )
     return rows
@@ -253,14 +262,16 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         f"{meta['device']}, {meta['model']} {meta['size']}², {meta['steps']} steps, fast={meta['fast']}, "
         f"max_batch={meta['max_batch']}, max_wait={meta['max_wait_ms']} ms, {meta['date']}",
         "",
-        "| concurrency | baseline img/s | batched img/s | speed-up | baseline p50 / p95 (s) | batched p50 / p95 (s) | mean batch |",
-        "|---|---|---|---|---|---|---|",
+        "| concurrency | baseline img/s | batched img/s | speed-up | baseline p50 / p95 (s) | batched p50 / p95 (s) "
+        "| mean batch | batched queue wait p50 / max (ms) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for base, fast in zip(results["baseline"], results["batched"], strict=True):
         lines.append(
             f"| {base['concurrency']} | {base['images_per_s']:.2f} | {fast['images_per_s']:.2f} | "
             f"{fast['images_per_s'] / base['images_per_s']:.2f}× | {base['p50_s']:.2f} / {base['p95_s']:.2f} | "
-            f"{fast['p50_s']:.2f} / {fast['p95_s']:.2f} | {fast['mean_batch']:.1f} |"
+            f"{fast['p50_s']:.2f} / {fast['p95_s']:.2f} | {fast['mean_batch']:.1f} | "
+            f"{fast['queue_wait_p50_ms']:.1f} / {fast['queue_wait_max_ms']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -50,13 +50,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fast-batches", metavar="N,N,...",
         help="with --fast: batch sizes given a captured graph, ending at --max-batch (default 1,2,4,...; "
-        "each costs a compile before /ready)",
+        "each costs a compile before /ready); a partial batch is padded or split, whichever warm-up timed quicker",
     )  # fmt: skip
     parser.add_argument(
         "--max-wait-ms",
         type=float,
         default=50.0,
-        help="how long a request waits for its batch to fill (default 50)",
+        help="how long a request may wait for its batch to fill, only while others could still join "
+        "(default 50; a lone request never waits)",
     )
     parser.add_argument(
         "--max-queue", type=int, default=256, help="most images queued before 429 (default 256)"

@@ -21,13 +21,16 @@ class ServeConfig:
     warmup_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size)."""
     fast_batches: list[int] = field(default_factory=list)
-    """With ``fast``: the batch sizes that get a captured graph (a batch is padded up to the next);
-    default: powers of two below ``max_batch``, and ``max_batch``. Each costs a compile in warm-up
-    (74–93 s each for SD 1.5 at 512² on an H100), so ``1,8`` is ready sooner, padding more."""
+    """With ``fast``: the batch sizes that get a captured graph; default: powers of two below
+    ``max_batch``, and ``max_batch``. A partial batch runs padded up to one of them or split over
+    smaller ones, whichever is quicker by the times warm-up measured (``engine.plan_calls``). Each
+    costs a compile in warm-up (74–93 s each for SD 1.5 at 512² on an H100), so ``1,8`` is ready
+    sooner, but a batch of 4 then costs a batch of 8 (or four of 1)."""
     max_batch: int = 4
     """Most images sampled in one pipeline call (requests of the same size and settings share it)."""
     max_wait_ms: float = 50.0
-    """How long the oldest queued request waits for others to fill its batch."""
+    """How long the oldest queued request may wait for others to fill its batch — only while others
+    could still come (clients just answered, a burst in progress); a lone request never waits."""
     max_queue: int = 256
     """Most images waiting; beyond it a request is refused with 429 (back-pressure, not a growing backlog)."""
     max_images: int = 4

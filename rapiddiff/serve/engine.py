@@ -1,14 +1,49 @@
 """One pipeline per device and the micro-batching queue in front of them.
 
 Requests queue as :class:`Job` s. Each device has a worker: an asyncio task that takes the oldest
-job, waits up to ``max_wait_ms`` for more jobs with the same :class:`~rapiddiff.serve.schemas.Settings`
-(size, steps, guidance, sampler, knowledge, upscale) until ``max_batch`` images are queued, and runs
-them as ONE pipeline call in that device's own thread — so the event loop keeps answering while a
-GPU (or the CPU) works. Each image keeps its own seed (the pipeline's seed rule), so a request gets
-the image ``rapiddiff generate`` makes for its prompt, seed and settings. The rows of a batch are
-ordered by seed, so a batch's composition does not depend on the order its requests arrived in.
+job, gathers the queued jobs with the same :class:`~rapiddiff.serve.schemas.Settings` (size, steps,
+guidance, sampler, knowledge, upscale) up to ``max_batch`` images, and samples them as ONE pipeline
+call in that device's own thread — so the event loop keeps answering while a GPU (or the CPU)
+works. Each image keeps its own seed (the pipeline's seed rule), so a request gets the image
+``rapiddiff generate`` makes for its prompt, seed and settings. The rows of a batch are ordered by
+seed, so a batch's composition does not depend on the order its requests arrived in.
 
-If a batch fails, each of its requests is run again alone: a request that fails fails alone.
+When to wait for company (:meth:`Engine._company_until`): a worker waits up to ``max_wait_ms`` for
+more matching requests only while some could come — never for a lone request. Triton's dynamic
+batcher (``max_queue_delay_microseconds``), TorchServe (``max_batch_delay``) and Ray Serve's
+``@serve.batch`` (``batch_wait_timeout_s``, timed from a batch's first request since
+ray-project/ray#36510) hold a partial batch for up to the timeout whatever the traffic; with no
+timeout they batch only what queued while the model was busy (Ray moved its default from 0 to
+10 ms, ray-project/ray#55126, because 0 rarely batched). A fixed wait costs a client that sends
+one request at a time the whole wait on every request (the H100 table in BENCHMARKS.md: 0.30 vs
+0.28 s). Here the evidence that company is coming is:
+
+* *returning clients*: requests answered (or being PNG-encoded, about to be answered) in the last
+  second (:data:`RETURN_WINDOW_S`), minus the requests that arrived since. Closed-loop clients answered by one batch
+  come back together, so the first of four returning clients waits for the other three — and no
+  longer (it does not wait for a batch of ``max_batch`` that cannot form). A lone client's answer is
+  consumed by its own next request, so that request runs at once;
+* *a burst in progress*: another request with the head's settings that was not a returning
+  client arrived in the last ``max_wait`` and is not answered yet (more of the burst may follow).
+
+The wait ends when the batch is full, when the evidence runs out, or ``max_wait`` after the
+latest of: the head's arrival, this worker finishing its last batch, and the answer to the last
+request of that batch (a request that queued behind a busy worker still gets one chance to be
+joined by the clients that batch answered: that is how closed-loop clients answered apart come
+back in step). The first request of a burst after a quiet spell runs alone: nothing could have
+told the server that others follow; the rest of the burst queues behind it, and the two groups
+merge again when the first is answered.
+
+PNG encoding runs in a small thread pool, not in the device's thread: the worker starts its next
+batch while the previous one is encoded (at most :data:`ENCODE_BACKLOG` batches a worker waiting
+for the encoder, so memory stays bounded when encoding is the bottleneck).
+
+With the fast path (captured graphs of fixed batch sizes), a partial batch runs as the cheapest
+set of captured sizes by the seconds each took in warm-up (:func:`plan_calls`): padded up to the
+next size, or split into smaller ones, whichever the GPU says is quicker.
+
+If a batch fails, each of its requests is run again alone; an image whose PNG encoding fails
+fails its own request only: a request that fails fails alone.
 """
 
 from __future__ import annotations
@@ -16,11 +51,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import math
+import os
 import secrets
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rapiddiff.serve.config import ServeConfig
 from rapiddiff.serve.metrics import Metrics
@@ -28,6 +69,25 @@ from rapiddiff.serve.schemas import ApiError, ImageRequest, ModelLimits, Setting
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
+
+ENCODE_BACKLOG = 2
+"""Most sampled batches a worker may leave waiting for the PNG encoder before it samples another."""
+
+RETURN_WINDOW_S = 1.0
+"""How long an answer counts as a client that may come back (or ``max_wait``, if longer). Only
+whether to wait depends on it, never how long: a client's round trip (5–18 ms on a loaded 2-core
+machine) must not have to fit inside ``max_wait`` for its batch-mates to wait for it."""
+
+Encoder = Callable[[np.ndarray, dict[str, Any]], bytes]
+"""(one image, H×W×3 floats in [0, 1]; its metadata) → the PNG file's bytes."""
+
+
+def encode_png(image: np.ndarray, metadata: dict[str, Any]) -> bytes:
+    """The CLI's conversion and PNG writer (``to_pil`` + ``png_bytes``), so the bytes are the CLI's."""
+    from rapiddiff.infer.pipeline import to_pil
+    from rapiddiff.infer.png import png_bytes
+
+    return png_bytes(to_pil(image[None])[0], metadata)
 
 
 @dataclass
@@ -37,7 +97,7 @@ class GeneratedImage:
     metadata: dict[str, Any]
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: `in`/`remove` on the queue compare identity, not fields
 class Job:
     settings: Settings
     prompt: str
@@ -50,6 +110,14 @@ class Job:
     @property
     def n(self) -> int:
         return len(self.seeds)
+
+
+@dataclass
+class Sampled:
+    """One request's sampled images, waiting for the PNG encoder (seed, H×W×3 array, metadata)."""
+
+    job: Job
+    images: list[tuple[int, np.ndarray, dict[str, Any]]]
 
 
 class Worker:
@@ -67,6 +135,12 @@ class Worker:
             initargs=(device,),
         )
         self.busy = False
+        self.free_since = time.monotonic()  # when it last finished sampling (or was made)
+        self.encoding: set[asyncio.Task[None]] = set()  # its sampled batches the encoder has not finished
+        self.unanswered = 0  # requests it sampled that are not answered yet (PNGs being encoded)
+        self.answered_at = 0.0  # when the last of them was answered
+        # With the fast path: (height, width) → {captured batch size: seconds per call}, from warm-up.
+        self.bucket_seconds: dict[tuple[int, int], dict[int, float]] = {}
 
 
 def _bind_device(device: str) -> None:
@@ -110,6 +184,27 @@ def batch_buckets(max_batch: int, chosen: list[int] | None = None) -> list[int]:
     return [*sizes, max_batch]
 
 
+def plan_calls(rows: int, buckets: list[int], seconds: dict[int, float] | None = None) -> list[int]:
+    """The captured batch sizes to sample ``rows`` images with (largest first; only the last call
+    is padded): the set with the least total ``seconds`` (a call's time at each size, measured in
+    warm-up), fewer calls on a tie. Without a time for every size: one call, padded up to the
+    smallest size that holds ``rows`` (or the largest, repeated)."""
+    if rows <= 0:
+        return []
+    if not seconds or any(b not in seconds for b in buckets):
+        fits = [b for b in buckets if b >= rows]
+        return [fits[0]] if fits else [buckets[-1]] * -(-rows // buckets[-1])
+    # Unbounded knapsack over row counts: best[n] = cheapest calls that hold n rows (padding allowed).
+    best: list[tuple[float, int, list[int]]] = [(0.0, 0, [])]
+    for n in range(1, rows + 1):
+        options = []
+        for b in buckets:
+            cost, calls, sizes = best[max(0, n - b)]
+            options.append((cost + seconds[b], calls + 1, [b, *sizes]))
+        best.append(min(options, key=lambda o: (o[0], o[1])))
+    return sorted(best[rows][2], reverse=True)
+
+
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
     from rapiddiff.infer.pipeline import scheduler_choices
 
@@ -139,10 +234,18 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
 class Engine:
     """Loads the model copies, queues requests, batches them and runs them off the event loop."""
 
-    def __init__(self, config: ServeConfig, *, loader: Any = load_pipeline) -> None:
+    def __init__(
+        self, config: ServeConfig, *, loader: Any = load_pipeline, encoder: Encoder = encode_png
+    ) -> None:
         self.config = config
         self.loader = loader  # (config, device) → pipeline; tests may wrap the real loader
+        self.encoder = encoder  # (image, metadata) → PNG bytes; runs in the encode pool
         self.workers = [Worker(device, i) for i, device in enumerate(config.devices)]
+        # PNG encoding (zlib releases the GIL) for every worker; small, so it never crowds the CPU
+        # that feeds the GPUs.
+        self.encode_pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="rapiddiff-encode"
+        )
         self.metrics = Metrics()
         self.limits: ModelLimits | None = None
         self.ready = False
@@ -151,6 +254,11 @@ class Engine:
         self._closing = False
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Evidence that company may come (see _company_until): answer times not yet matched by an
+        # arrival, requests sampled and waiting for the encoder, and recent arrivals of new clients.
+        self._answered: deque[float] = deque()
+        self._encoding_jobs = 0
+        self._fresh: deque[Job] = deque()
 
     # ------------------------------------------------------------------ loading
     def load(self) -> None:
@@ -188,19 +296,28 @@ class Engine:
 
     def _warm_up(self, worker: Worker) -> None:
         """With the fast path, sample once per served size and batch bucket at the default steps
-        (each is a compiled, captured graph), so /ready means fast."""
+        (each is a compiled, captured graph), so /ready means fast; then once more, timed, so a
+        partial batch can run as the quickest set of captured sizes (:func:`plan_calls`)."""
         if not self.config.fast:
             return
         pipe = worker.pipe
         sizes = self.config.warmup_sizes or [(pipe.default_size, pipe.default_size)]
         steps = model_limits(pipe, self.config).defaults["num_inference_steps"]
+        buckets = batch_buckets(self.config.max_batch, self.config.fast_batches)
         for height, width in sizes:
-            for batch in batch_buckets(self.config.max_batch, self.config.fast_batches):
-                t0 = time.perf_counter()
-                pipe(["warm-up"] * batch, seed=list(range(batch)), height=height, width=width,
-                     num_inference_steps=steps, progress=False)  # fmt: skip
-                log.info("warm-up %s %dx%d batch %d: %.1f s", worker.device, height, width, batch,
-                         time.perf_counter() - t0)  # fmt: skip
+            seconds: dict[int, float] = {}
+            for batch in buckets:
+                times = []
+                for _ in range(2 if len(buckets) > 1 else 1):  # one size: nothing to choose, no timing
+                    t0 = time.perf_counter()
+                    pipe(["warm-up"] * batch, seed=list(range(batch)), height=height, width=width,
+                         num_inference_steps=steps, progress=False)  # fmt: skip
+                    times.append(time.perf_counter() - t0)
+                seconds[batch] = times[-1]
+                log.info("warm-up %s %dx%d batch %d: %s", worker.device, height, width, batch,
+                         " then ".join(f"{t:.2f} s" for t in times))  # fmt: skip
+            if len(buckets) > 1:
+                worker.bucket_seconds[(height, width)] = seconds
 
     def _ensure_workers(self) -> None:
         """Start the worker tasks in the running loop (once)."""
@@ -238,6 +355,13 @@ class Engine:
             extra=extra,
             future=asyncio.get_running_loop().create_future(),
         )
+        self._forget_old(job.arrived)
+        if self._answered:  # most likely a client that was just answered, coming back
+            answered = self._answered.popleft()
+            log.debug("a request %.1f ms after an answer: taken for that client coming back",
+                      1000 * (job.arrived - answered))  # fmt: skip
+        else:
+            self._fresh.append(job)
         self.pending.append(job)
         assert self._wake is not None
         self._wake.set()
@@ -249,6 +373,31 @@ class Engine:
     # ------------------------------------------------------------------ batching
     def _matching_images(self, settings: Settings) -> int:
         return sum(job.n for job in self.pending if job.settings == settings)
+
+    def _return_window(self) -> float:
+        return max(self.config.max_wait_ms / 1000, RETURN_WINDOW_S)
+
+    def _forget_old(self, now: float) -> None:
+        """Drop stale evidence: a client not back within the return window, or a burst quiet for
+        ``max_wait``, is not worth waiting for."""
+        while self._answered and self._answered[0] <= now - self._return_window():
+            self._answered.popleft()
+        while self._fresh and self._fresh[0].arrived <= now - self.config.max_wait_ms / 1000:
+            self._fresh.popleft()
+
+    def _company_until(self, head: Job, now: float) -> float | None:
+        """Until when another request may still come to join ``head`` (a time to look again by),
+        or ``None`` when nothing suggests one will: the rule in the module docstring."""
+        self._forget_old(now)
+        if self._encoding_jobs:  # answered within milliseconds; their clients may come back
+            return math.inf
+        times = []
+        if self._answered:  # answered clients not yet back
+            times.append(self._answered[0] + self._return_window())
+        others = [job.arrived for job in self._fresh if job is not head and job.settings == head.settings]
+        if others:  # a burst of new clients in progress (of this batch's settings)
+            times.append(max(others) + self.config.max_wait_ms / 1000)
+        return min(times) if times else None
 
     def _pop_batch(self, head: Job) -> list[Job]:
         """The head and the following jobs with its settings, up to max_batch images (whole requests)."""
@@ -274,19 +423,31 @@ class Engine:
                 wake.clear()
                 await wake.wait()
                 continue
+            if len(worker.encoding) >= ENCODE_BACKLOG:  # the encoder is the bottleneck: let it catch up
+                await asyncio.wait(worker.encoding, return_when=asyncio.FIRST_COMPLETED)
+                continue
             head = self.pending[0]
-            # Wait (bounded by the head's deadline) for its batch to fill; another worker may take it.
+            # Wait for the head's batch to fill while company may still come (_company_until), at
+            # most max_wait after the head arrived, this worker became free, or the requests of its
+            # last batch were answered (their clients may come back); another worker may take it.
             while (
                 head in self.pending
                 and not self._closing
                 and self._matching_images(head.settings) < self.config.max_batch
             ):
-                remaining = head.arrived + max_wait - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                until = self._company_until(head, now)
+                deadline = (
+                    math.inf  # answered within milliseconds: then max_wait for their clients
+                    if worker.unanswered and max_wait > 0
+                    else max(head.arrived, worker.free_since, worker.answered_at) + max_wait
+                )
+                if until is None or now >= deadline:
                     break
                 wake.clear()
+                timeout = min(deadline, until) - now  # infinite while answers are being encoded
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), remaining)
+                    await asyncio.wait_for(wake.wait(), None if math.isinf(timeout) else timeout)
             if head not in self.pending:
                 continue
             batch = self._pop_batch(head)
@@ -295,32 +456,70 @@ class Engine:
                 await self._run(worker, batch)
             finally:
                 worker.busy = False
+                worker.free_since = time.monotonic()
                 wake.set()  # let an idle worker look at what queued meanwhile
 
     async def _run(self, worker: Worker, jobs: list[Job]) -> None:
+        """Sample ``jobs`` in the worker's thread, then hand them to the encoder without waiting."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         waits = [started - job.arrived for job in jobs]
         try:
-            results = await loop.run_in_executor(worker.executor, self._generate, worker, jobs)
+            sampled = await loop.run_in_executor(worker.executor, self._sample, worker, jobs)
         except Exception as err:
             if len(jobs) == 1:
                 self._fail(jobs[0], err)
                 return
             # Someone in the batch broke it: run each alone, so only that request fails.
             log.warning("a batch of %d requests failed (%s); running them one by one", len(jobs), err)
-            for job in jobs:
+            for job, wait in zip(jobs, waits, strict=True):
                 try:
-                    results = await loop.run_in_executor(worker.executor, self._generate, worker, [job])
+                    one = await loop.run_in_executor(worker.executor, self._sample, worker, [job])
                 except Exception as one_err:
                     self._fail(job, one_err)
                 else:
-                    self.metrics.observe_batch(job.n, [time.monotonic() - job.arrived])
-                    _resolve(job, results[0])
+                    self.metrics.observe_batch(job.n, [wait])
+                    self._encode_later(worker, one)
             return
         self.metrics.observe_batch(sum(job.n for job in jobs), waits)
-        for job, images in zip(jobs, results, strict=True):
-            _resolve(job, images)
+        self._encode_later(worker, sampled)
+
+    def _encode_later(self, worker: Worker, sampled: list[Sampled]) -> None:
+        self._encoding_jobs += len(sampled)
+        worker.unanswered += len(sampled)
+        task = asyncio.create_task(self._encode(worker, sampled))
+        worker.encoding.add(task)
+        task.add_done_callback(worker.encoding.discard)
+
+    async def _encode(self, worker: Worker, sampled: list[Sampled]) -> None:
+        """Each request's PNGs in the encode pool, answered as soon as they are ready; an encoding
+        error fails that request only."""
+        loop = asyncio.get_running_loop()
+
+        async def one(item: Sampled) -> None:
+            try:
+                images = await loop.run_in_executor(self.encode_pool, self._encode_job, item)
+            except Exception as err:
+                self._fail(item.job, err)
+            else:
+                _resolve(item.job, images)
+            finally:
+                self._encoding_jobs -= 1
+                worker.unanswered -= 1
+                worker.answered_at = time.monotonic()
+                # Answered: no longer a sign of a burst, but its client may come back with another.
+                with contextlib.suppress(ValueError):
+                    self._fresh.remove(item.job)
+                if not item.job.future.cancelled():
+                    self._answered.append(time.monotonic())
+                if self._wake is not None:
+                    self._wake.set()
+
+        await asyncio.gather(*(one(item) for item in sampled))
+
+    def _encode_job(self, item: Sampled) -> list[GeneratedImage]:
+        """Runs in the encode pool: one request's images → PNG files (the CLI's bytes)."""
+        return [GeneratedImage(self.encoder(image, meta), seed, meta) for seed, image, meta in item.images]
 
     def _fail(self, job: Job, err: Exception) -> None:
         log.error("request failed: %s: %s", type(err).__name__, err)
@@ -329,28 +528,29 @@ class Engine:
                                                                    code="generation_failed")  # fmt: skip
             job.future.set_exception(error)
 
-    def _generate(self, worker: Worker, jobs: list[Job]) -> list[list[GeneratedImage]]:
-        """Runs in the worker's thread: one pipeline call per ``max_batch`` rows, then PNG bytes."""
-        from rapiddiff.infer.png import png_bytes
-
+    def _sample(self, worker: Worker, jobs: list[Job]) -> list[Sampled]:
+        """Runs in the worker's thread: pipeline calls of up to ``max_batch`` rows; the images come
+        back as arrays (copies on the host, safe from the next call) for the encoder."""
         s = jobs[0].settings
         rows = sorted(
             ((seed, job.prompt, job.negative, j) for j, job in enumerate(jobs) for seed in job.seeds),
             key=lambda row: (row[0], row[1], row[2]),
         )
-        out: list[list[GeneratedImage]] = [[] for _ in jobs]
-        by_seed: dict[tuple[int, int], GeneratedImage] = {}
-        step = max(1, self.config.max_batch)
+        by_seed: dict[tuple[int, int], tuple[int, np.ndarray, dict[str, Any]]] = {}
         buckets = batch_buckets(self.config.max_batch, self.config.fast_batches)
-        for start in range(0, len(rows), step):
-            chunk = rows[start : start + step]
-            # The fast path runs captured graphs of fixed batch sizes: pad with copies of the last
-            # row up to the next bucket (an image depends only on its own row, so the copies are
-            # dropped unseen) rather than capture a graph for every batch size.
-            rows_run = chunk
-            if self.config.fast:
-                padded = next(b for b in buckets if b >= len(chunk))
-                rows_run = chunk + [chunk[-1]] * (padded - len(chunk))
+        calls: list[list[tuple[int, str, str, int]]] = []
+        for start in range(0, len(rows), max(1, self.config.max_batch)):
+            chunk = rows[start : start + self.config.max_batch]
+            if not self.config.fast:
+                calls.append(chunk)
+                continue
+            # The fast path runs captured graphs of fixed batch sizes: run the chunk as the
+            # quickest set of them, the last padded with copies of its last row (an image depends
+            # only on its own row, so the copies are dropped unseen).
+            for size in plan_calls(len(chunk), buckets, worker.bucket_seconds.get((s.height, s.width))):
+                part, chunk = chunk[:size], chunk[size:]
+                calls.append(part + [part[-1]] * (size - len(part)))
+        for rows_run in calls:
             result = worker.pipe(
                 [r[1] for r in rows_run],
                 negative_prompt=[r[2] for r in rows_run],
@@ -362,27 +562,28 @@ class Engine:
                 scheduler=s.scheduler,
                 upscale=s.upscale,
                 knowledge=s.knowledge,
+                output_type="np",  # PIL conversion and PNG encoding happen in the encode pool
                 progress=False,
                 **jobs[0].extra,
             )
-            pairs = zip(chunk, result.images[: len(chunk)], result.metadata[: len(chunk)], strict=True)
-            for (seed, _, _, j), image, meta in pairs:
-                # The CLI's PNG encoder, so the bytes are the CLI's (metadata chunks included).
-                by_seed[(j, seed)] = GeneratedImage(png_bytes(image, meta), seed, meta)
-        for j, job in enumerate(jobs):
-            out[j] = [by_seed[(j, seed)] for seed in job.seeds]
-        return out
+            for (seed, _, _, j), image, meta in zip(rows_run, result.images, result.metadata, strict=True):
+                by_seed.setdefault((j, seed), (seed, image, meta))  # padding copies repeat a key
+        return [Sampled(job, [by_seed[(j, seed)] for seed in job.seeds]) for j, job in enumerate(jobs)]
 
     # ------------------------------------------------------------------ shutdown
     async def close(self) -> None:
-        """Stop taking requests, finish every queued one, then free the threads."""
+        """Stop taking requests, finish every queued one (sampled and encoded), then free the threads."""
         self._closing = True
         if self._wake is not None:
             self._wake.set()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        encoding = [task for worker in self.workers for task in worker.encoding]
+        if encoding:
+            await asyncio.gather(*encoding, return_exceptions=True)
         for worker in self.workers:
             worker.executor.shutdown(wait=True)
+        self.encode_pool.shutdown(wait=True)
         log.info("shut down: queue finished (%d images served)", self.metrics.images)
 
 

@@ -158,23 +158,40 @@ def test_concurrent_requests_are_batched_and_keep_their_seeds(server, tmp_path):
 
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=180) as client:
+            # A request of another size (it cannot join them) keeps the one worker busy, so the four
+            # queue together behind it. (Sent to an idle server, the first of them would run at once,
+            # alone: the server does not hold a lone request back in case others follow.)
+            pacer = asyncio.create_task(
+                client.post(
+                    f"{server}/v1/images/generations",
+                    json={"prompt": "一只熊猫", "size": "96x96", "steps": 20, "seed": 1},
+                )
+            )
+            for _ in range(600):  # bounded: until the worker samples the pacer
+                if metric((await client.get(f"{server}/metrics")).text, "rapiddiff_workers_busy") >= 1:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the pacer never started sampling")
             calls = [
                 client.post(f"{server}/v1/images/generations", json={"prompt": p, "seed": 100 + i})
                 for i, p in enumerate(PROMPTS)
             ]
-            return await asyncio.wait_for(asyncio.gather(*calls), timeout=240)
+            responses = await asyncio.wait_for(asyncio.gather(*calls), timeout=240)
+            assert (await pacer).status_code == 200
+            return responses
 
     responses = asyncio.run(send_all())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     served = [base64.b64decode(r.json()["data"][0]["b64_json"]) for r in responses]
     after = httpx.get(f"{server}/metrics").text
-    # One pipeline call of 4 images served the 4 requests.
+    # The pacer alone, then one pipeline call of 4 images served the 4 requests.
     calls = metric(after, "rapiddiff_batch_size_count") - metric(before, "rapiddiff_batch_size_count")
     images = metric(after, "rapiddiff_batch_size_sum") - metric(before, "rapiddiff_batch_size_sum")
-    assert (calls, images) == (1, 4)
-    assert metric(after, 'rapiddiff_batch_size_bucket{le="2"}') == metric(
-        before, 'rapiddiff_batch_size_bucket{le="2"}'
-    )
+    assert (calls, images) == (2, 5)
+    for bound, batches in (("1", 1), ("2", 1), ("4", 2)):
+        name = f'rapiddiff_batch_size_bucket{{le="{bound}"}}'
+        assert metric(after, name) - metric(before, name) == batches, bound
     assert metric(after, 'rapiddiff_requests_total{endpoint="generations",status="200"}') >= 4
 
     # Each is the CLI's image for its prompt and seed: byte for byte when the CLI samples the same
