@@ -139,22 +139,50 @@ class KnowledgeFusion(nn.Module):
         return (h * m).sum(1) / m.sum(1)
 
     def forward(self, token_entity_ids: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """[B, L] entity ids (-1 = none) → one delta [B, L, hidden_size] per fused layer."""
+        """[B, L] entity ids (-1 = none) → one delta [B, L, hidden_size] per fused layer.
+
+        No host sync and fixed shapes (so a CUDA graph can capture it): the distinct entities are
+        found with a sort into a table of B·L slots (what ``torch.unique`` returns, in its order,
+        then padding), each slot's features are computed, and every token gathers its entity's.
+        """
         if self.num_entities == 0:
             raise RuntimeError("KnowledgeFusion has no knowledge loaded; call set_knowledge(...) first")
-        if token_entity_ids.numel() and int(token_entity_ids.max()) >= self.num_entities:
-            raise ValueError(
-                f"token_entity_ids refer to entity {int(token_entity_ids.max())}, but the store has "
-                f"{self.num_entities} entities; were the ids made with a different store?"
-            )
+        self._check_ids(token_entity_ids)
         dtype = dtype or self.gates.dtype
-        linked = token_entity_ids >= 0
-        ids, inverse = torch.unique(token_entity_ids[linked], return_inverse=True)
-        features = self.entity_features(ids)  # (U, W): each distinct entity once
+        flat = token_entity_ids.reshape(-1)
+        linked = flat >= 0
+        # Unlinked tokens sort after every entity (one extra group, never read).
+        keys = torch.where(linked, flat, self.num_entities)
+        ordered, order = torch.sort(keys, stable=True)
+        new_group = torch.ones_like(ordered, dtype=torch.bool)
+        new_group[1:] = ordered[1:] != ordered[:-1]
+        group = torch.cumsum(new_group, 0) - 1  # slot of each sorted token's entity
+        slots = torch.zeros_like(flat).scatter_(0, group, ordered)  # slot → entity (0 past the last)
+        inverse = torch.empty_like(group).scatter_(0, order, group)  # token → slot
+        features = self.entity_features(slots.clamp(max=self.num_entities - 1))  # (B·L, W)
+        keep = linked.unsqueeze(-1)
         deltas = []
         for proj, gate in zip(self.out_proj, self.gates, strict=True):
-            per_entity = gate * proj(features)  # (U, H)
-            delta = per_entity.new_zeros(*token_entity_ids.shape, per_entity.shape[-1])
-            delta[linked] = per_entity[inverse]
-            deltas.append(delta.to(dtype))
+            per_entity = gate * proj(features)  # (B·L slots, H)
+            per_token = torch.where(keep, per_entity[inverse], per_entity.new_zeros(()))
+            deltas.append(per_token.reshape(*token_entity_ids.shape, -1).to(dtype))
         return deltas
+
+    def _check_ids(self, token_entity_ids: torch.Tensor) -> None:
+        """Ids must index this store: checked on the host where they live there (no sync), on the
+        device without a sync (an out-of-range id stops the next synchronising call)."""
+        if not token_entity_ids.numel():
+            return
+        if token_entity_ids.device.type == "cpu":
+            largest = int(token_entity_ids.max())
+            if largest >= self.num_entities:
+                raise ValueError(
+                    f"token_entity_ids refer to entity {largest}, but the store has "
+                    f"{self.num_entities} entities; were the ids made with a different store?"
+                )
+            return
+        torch._assert_async(
+            token_entity_ids.max() < self.num_entities,
+            f"token_entity_ids refer to an entity past the store's {self.num_entities}; "
+            "were the ids made with a different store?",
+        )
