@@ -381,6 +381,13 @@ class LatentDiffusion(RapidModule):
         # Lightning refuses to clip for a fused AdamW under any AMP plugin (its check is about fp16
         # loss scaling, which the fused kernel would undo); bf16 and fp32 have no scaler, so the
         # clip is the same clip_grad_norm_ Lightning would run.
+        if gradient_clip_val and self._fsdp():
+            # A shard's norm is not the model's: the root FSDP unit reduces it over the ranks.
+            if gradient_clip_algorithm in (None, "norm"):
+                self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_value_(self.trainable_parameters(), gradient_clip_val)
+            return
         fused = any(group.get("fused") for group in optimizer.param_groups)
         if not fused or not gradient_clip_val or str(self.trainer.precision).startswith("16"):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -503,10 +510,42 @@ class LatentDiffusion(RapidModule):
             if hasattr(dataset, "decode_images"):
                 dataset.decode_images = False
 
+    # ------------------------------------------------------------------ FSDP
+    def _fsdp(self) -> bool:
+        from pytorch_lightning.strategies import FSDPStrategy
+
+        return self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The trained parts as FSDP units: the U-Net's down/mid/up blocks and the U-Net itself (its
+        stem and head), the fusion, the text tower and its projection."""
+        units: list[nn.Module] = []
+        if "unet" in self.trained:
+            unet = getattr(self.unet, "_orig_mod", self.unet)
+            units += [*unet.down_blocks, *([unet.mid_block] if unet.mid_block is not None else []), *unet.up_blocks]
+            units.append(self.unet)
+        for name in ("fusion", "text_encoder"):
+            if name in self.trained:
+                units.extend(self._part(name) if name == "text_encoder" else [self._part(name)])
+        return units
+
+    def fsdp_ignored(self) -> list[nn.Module]:
+        """Frozen parts stay whole on every rank (in the training dtype, outside the flat parameters)."""
+        ignored: list[nn.Module] = [self.vae]
+        for name in ("unet", "fusion", "text_encoder"):
+            if name not in self.trained and (name != "fusion" or self.text_encoder.fusion is not None):
+                part = self._part(name)
+                ignored.extend(part if isinstance(part, nn.ModuleList) else [part])
+        return ignored
+
+    def _trained_names(self) -> set[str]:
+        # Under FSDP the wrapped submodules' names carry "_fsdp_wrapped_module."; checkpoints don't.
+        return {_plain_name(n) for n, p in self.named_parameters() if p.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Only what training changes: frozen weights come back from the config's sources.
-        trained = {n for n, p in self.named_parameters() if p.requires_grad}
-        frozen = {n for n, _ in self.named_parameters()} - trained
+        trained = self._trained_names()
+        frozen = {_plain_name(n) for n, _ in self.named_parameters()} - trained
         state = checkpoint["state_dict"]
         for name in frozen & set(state):
             del state[name]
@@ -514,8 +553,9 @@ class LatentDiffusion(RapidModule):
             checkpoint["ema"] = self.ema.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        trained = {n for n, p in self.named_parameters() if p.requires_grad}
-        missing = sorted(trained - set(checkpoint["state_dict"]))
+        trained = self._trained_names()
+        # FSDP's loader has already taken the weights out ("state_dict" popped) and loaded them.
+        missing = sorted(trained - set(checkpoint["state_dict"])) if "state_dict" in checkpoint else []
         if missing:
             raise ValueError(
                 f"the checkpoint lacks {len(missing)} trained weights (e.g. {missing[0]}): it was written "
@@ -665,6 +705,10 @@ class LatentDiffusion(RapidModule):
         from rapiddiff.models.upscaler import load_upscaler
 
         return load_upscaler(folder)
+
+
+def _plain_name(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
 
 
 def _check_speed(speed: SpeedConfig, cache_latents: bool, trainable: list[str]) -> None:
