@@ -121,7 +121,9 @@ class RapidModule(pl.LightningModule):
         trained = {n for n, p in self.named_parameters() if p.requires_grad}
         missing = sorted(trained - set(state))
         if missing:
-            raise RuntimeError(f"the gathered FSDP state lacks {len(missing)} trained weights (e.g. {missing[0]})")
+            raise RuntimeError(
+                f"the gathered FSDP state lacks {len(missing)} trained weights (e.g. {missing[0]})"
+            )
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name in state:  # the shard's view becomes the whole tensor again

@@ -522,7 +522,11 @@ class LatentDiffusion(RapidModule):
         units: list[nn.Module] = []
         if "unet" in self.trained:
             unet = getattr(self.unet, "_orig_mod", self.unet)
-            units += [*unet.down_blocks, *([unet.mid_block] if unet.mid_block is not None else []), *unet.up_blocks]
+            units += [
+                *unet.down_blocks,
+                *([unet.mid_block] if unet.mid_block is not None else []),
+                *unet.up_blocks,
+            ]
             units.append(self.unet)
         for name in ("fusion", "text_encoder"):
             if name in self.trained:
