@@ -10,22 +10,16 @@ OUT_DIR=${1:-${OUT:-.}}
 OLD=${2:-$(cd ../.. && pwd)}
 mkdir -p "$OUT_DIR"
 DATA=/tmp/ksd
-say() { echo "== $(date -u +%H:%M:%S) $*"; }
+say() { rm -f "$OUT_DIR"/*/*.md; echo "== $(date -u +%H:%M:%S) $*"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 say "data"
 python3 -m rapiddiff data kshapes --out $DATA --train 1024 --val 16 --test 16 --hr-scale 0 >/dev/null 2>&1
-STEP=(--data $DATA --steps 40 --warmup 6 --workers 4)
+STEP=(--data $DATA --steps 30 --warmup 6 --workers 4)
 
-say "chain_on (fusion trains), 1 GPU: old code (the fusion syncs; text outside the graph) vs this tree"
-(cd "$OLD" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$OLD timeout 120 python3 benchmarks/train_kshapes_step.py \
-    "${STEP[@]}" --out "$OUT_DIR/old" --scenes chain_on --variants plain,all 2>&1 | grep -E "^\||rror")
-CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/train_kshapes_step.py "${STEP[@]}" --out "$OUT_DIR/new" \
-    --scenes chain_on --variants plain,all 2>&1 | grep -E "^\||rror"
-
-say "kshapes DDP with the captured step: 1 vs 2 GPUs (chain_off all; chain_on all)"
+say "kshapes DDP with the captured step: 1 vs 2 GPUs (chain_off, all)"
 for n in 1 2; do
-    timeout 110 torchrun --standalone --nproc_per_node $n benchmarks/train_kshapes_step.py "${STEP[@]}" \
-        --out "$OUT_DIR/k$n" --scenes chain_off,chain_on --variants all --devices $n 2>&1 | grep -E "^\||rror"
+    timeout 80 torchrun --standalone --nproc_per_node $n benchmarks/train_kshapes_step.py "${STEP[@]}" \
+        --out "$OUT_DIR/k$n" --scenes chain_off --variants all --devices $n 2>&1 | grep -E "^\||rror"
 done
 
 COMMON=(--config configs/unet/kshapes.yaml --model.pretrained=rapiddiff/assets/model --data.train=$DATA/train
@@ -34,12 +28,12 @@ COMMON=(--config configs/unet/kshapes.yaml --model.pretrained=rapiddiff/assets/m
     --checkpoint.every_n_train_steps=5 --model.ema=null --trainer.strategy=fsdp --trainer.devices=2)
 say "FSDP (U-Net + fusion train): 10 steps on 2 GPUs, checkpoint, resume to 15, export, load"
 F=/tmp/fsdp
-timeout 100 python3 -m rapiddiff train unet "${COMMON[@]}" --trainer.max_steps=10 --trainer.default_root_dir=$F \
+timeout 75 python3 -m rapiddiff train unet "${COMMON[@]}" --trainer.max_steps=10 --trainer.default_root_dir=$F \
     --output=$F/model 2>&1 | grep -E "rror|Trace" | head -5
-timeout 100 python3 -m rapiddiff train unet "${COMMON[@]}" --trainer.max_steps=15 --trainer.default_root_dir=$F \
+timeout 75 python3 -m rapiddiff train unet "${COMMON[@]}" --trainer.max_steps=15 --trainer.default_root_dir=$F \
     --output=$F/model --ckpt_path=last 2>&1 | grep -E "rror|Trace|resuming" | head -5
 ls $F/checkpoints $F/model
-timeout 60 python3 - <<'PY'
+timeout 40 python3 - <<'PY'
 import torch
 from safetensors.torch import load_file
 from rapiddiff.models.bundle import load_model_folder
@@ -54,8 +48,14 @@ print(f"FSDP checkpoint step {ckpt['global_step']}, {len(state)} trained tensors
       f"{same}/{len(unet)}; fusion gates {gates} (checkpoint {state.get('text_encoder.fusion.gates')})")
 PY
 
+say "chain_on (fusion trains), 1 GPU: old code (the fusion syncs; text outside the graph) vs this tree"
+(cd "$OLD" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$OLD timeout 75 python3 benchmarks/train_kshapes_step.py \
+    "${STEP[@]}" --out "$OUT_DIR/old" --scenes chain_on --variants plain,all 2>&1 | grep -E "^\||rror")
+CUDA_VISIBLE_DEVICES=0 timeout 75 python3 benchmarks/train_kshapes_step.py "${STEP[@]}" --out "$OUT_DIR/new" \
+    --scenes chain_on --variants plain,all 2>&1 | grep -E "^\||rror"
+
 say "gpu-marked test: captured step (fusion inside the graph) vs plain"
-CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_train_speed.py 2>&1 | tail -3
+CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_train_speed.py 2>&1 | tail -3
 
 say "SD 1.5 DDP, 2 GPUs vs 1 (eager), if time is left"
 CUDA_VISIBLE_DEVICES=0 timeout 70 python3 benchmarks/train_unet_throughput.py --out "$OUT_DIR/sd1" --variants eager \
