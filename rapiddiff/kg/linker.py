@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rapiddiff.kg.normalize import normalize, normalize_with_offsets, original_span
 from rapiddiff.utils.logging import get_logger
 
@@ -200,7 +202,6 @@ def _surface_index(
     position finds both the forms and the segmentation's words).
     """
     import marisa_trie
-    import numpy as np
 
     keys: list[str] = []
     ids: list[int] = []
@@ -253,9 +254,15 @@ class EntityLinker:
             pairs, jieba_words.trie.keys()
         )
         self._forms = int((self.entity_ids >= 0).sum())
+        self._ids = memoryview(self.entity_ids)  # indexing gives a Python int: 3x a numpy scalar
         # jieba's words in this trie: key id → jieba's weight (the segmentation's DAG edges).
-        key_id, weights = self.trie.key_id, jieba_words.weights
-        self._word_weights = {key_id(w): weights[i] for w, i in jieba_words.trie.iteritems()}
+        # jieba's weight per trie key (NaN: not a jieba word), read through a memoryview (a Python
+        # float per index): 8 bytes a key, e.g. 131 MB at 16 M forms.
+        weights = np.full(len(self.trie), np.nan)
+        key_id = self.trie.key_id
+        for word, i in jieba_words.trie.iteritems():
+            weights[key_id(word)] = jieba_words.weights[i]
+        self._word_weights = memoryview(weights)
         self._scan_longest = max(self.longest, jieba_words.longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
         if clashes:
@@ -272,33 +279,31 @@ class EntityLinker:
         """Every (start, end, entity_id) occurrence of a surface form in normalised text."""
         return self._scan(norm)[0]
 
-    def _scan(self, norm: str) -> tuple[list[tuple[int, int, int]], dict[int, list[tuple[str, int]]]]:
+    def _scan(self, norm: str) -> tuple[list[tuple[int, int, int]], list[Any]]:
         """(every form occurrence (start, end, entity_id), the trie's matches per position
-        queried): the matches include jieba's words, which the word check reuses."""
+        queried, None where not): the matches include jieba's words, which the word check reuses."""
         found = []
-        matches: dict[int, list[tuple[str, int]]] = {}
+        matches: list[Any] = [None] * len(norm)
         prefixes = self.trie.iter_prefixes_with_ids
-        ids = self.entity_ids
+        ids = self._ids
         longest = self._scan_longest
         heads, singles = self._heads, self._singles
         for i in range(len(norm)):
             if norm[i : i + 2] in heads or (singles and norm[i] in singles):
                 hits = matches[i] = list(prefixes(norm[i : i + longest]))
                 for key, key_id in hits:
-                    entity_id = int(ids[key_id])
+                    entity_id = ids[key_id]
                     if entity_id >= 0:
                         found.append((i, i + len(key), entity_id))
         return found, matches
 
-    def _block_ends(
-        self, norm: str, start: int, end: int, matches: dict[int, list[tuple[str, int]]]
-    ) -> list[int]:
+    def _block_ends(self, norm: str, start: int, end: int, matches: list[Any]) -> list[int]:
         """:func:`_segment` of ``norm[start:end]`` with the block's forms added (what
         ``_segment(block, self._extra(...))`` computes: same edges, same order, same float
         operations), reading the DAG from the combined trie's matches instead of a second query
         per position into jieba's own trie. Returns absolute end offsets."""
         prefixes = self.trie.iter_prefixes_with_ids
-        ids, word_weights, longest = self.entity_ids, self._word_weights, self._scan_longest
+        ids, word_weights, longest = self._ids, self._word_weights, self._scan_longest
         logtotal = _jieba().logtotal
         frequency = self.word_frequency
         n = end - start
@@ -306,7 +311,7 @@ class EntityLinker:
         nxt = [0] * n
         for k in range(n - 1, -1, -1):
             at = start + k
-            hits = matches.get(at)
+            hits = matches[at]
             if hits is None:
                 hits = list(prefixes(norm[at : at + longest]))
             best_end = -1
@@ -318,8 +323,8 @@ class EntityLinker:
                 if ids[key_id] >= 0:  # a form inside the block: add_word's weight wins
                     weight = math.log(frequency(key)) - logtotal
                 else:
-                    weight = word_weights.get(key_id)  # type: ignore[assignment]
-                    if weight is None:
+                    weight = word_weights[key_id]
+                    if weight != weight:  # NaN: a trie key that is neither a form here nor a jieba word
                         continue
                 sc = weight + score[i + 1]
                 if best_end < 0 or sc >= best:  # max over (score, end): ties go to the longer word
