@@ -269,6 +269,7 @@ class EntityLinker:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
         self._frequencies: dict[str, float] = {}
+        self._form_weights: dict[int, float] = {}  # trie key id → a form's segmentation weight
 
     @classmethod
     def from_store(cls, store: KnowledgeStore, **kwargs: Any) -> EntityLinker:
@@ -305,7 +306,7 @@ class EntityLinker:
         prefixes = self.trie.iter_prefixes_with_ids
         ids, word_weights, longest = self._ids, self._word_weights, self._scan_longest
         logtotal = _jieba().logtotal
-        frequency = self.word_frequency
+        form_weights = self._form_weights
         n = end - start
         score = [0.0] * (n + 1)
         nxt = [0] * n
@@ -321,7 +322,11 @@ class EntityLinker:
                 if i >= n:
                     break
                 if ids[key_id] >= 0:  # a form inside the block: add_word's weight wins
-                    weight = math.log(frequency(key)) - logtotal
+                    weight = form_weights.get(key_id)  # type: ignore[assignment]
+                    if weight is None:
+                        if len(form_weights) > 1_000_000:  # bounded, as word_frequency's memo
+                            form_weights.clear()
+                        weight = form_weights[key_id] = math.log(self.word_frequency(key)) - logtotal
                 else:
                     weight = word_weights[key_id]
                     if weight != weight:  # NaN: a trie key that is neither a form here nor a jieba word
