@@ -278,7 +278,18 @@ class EntityLinker:
 
     def candidates(self, norm: str) -> list[tuple[int, int, int]]:
         """Every (start, end, entity_id) occurrence of a surface form in normalised text."""
-        return self._scan(norm)[0]
+        found = []
+        prefixes = self.trie.iter_prefixes_with_ids
+        ids = self._ids
+        longest = self.longest  # the forms' longest: jieba's longer words are not needed here
+        heads, singles = self._heads, self._singles
+        for i in range(len(norm)):
+            if norm[i : i + 2] in heads or (singles and norm[i] in singles):
+                for key, key_id in prefixes(norm[i : i + longest]):
+                    entity_id = ids[key_id]
+                    if entity_id >= 0:
+                        found.append((i, i + len(key), entity_id))
+        return found
 
     def _scan(self, norm: str) -> tuple[list[tuple[int, int, int]], list[Any]]:
         """(every form occurrence (start, end, entity_id), the trie's matches per position
