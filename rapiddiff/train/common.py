@@ -753,8 +753,8 @@ class RapidFSDPStrategy(FSDPStrategy):
     (:meth:`RapidModule.fsdp_ignored`: VAE, text tower, kept in the training dtype) stay whole on
     every rank, outside the flat parameters (which must share one dtype). Mixed precision is the
     single-GPU/DDP kind: fp32 parameters and gradient reduction, autocast compute, buffers untouched
-    (the fusion's TransE tables and relation ids). Checkpoints hold the full state dict (one file,
-    resumable on any number of devices).
+    (the fusion's TransE tables and relation ids). Checkpoints hold the full state dict (one file, the
+    trained weights under their plain names, as the other strategies write them).
     """
 
     def __init__(self, **kwargs: Any) -> None:
