@@ -7,6 +7,7 @@ a graph of that shape and measures each step on it:
     python benchmarks/kg_scale.py train --kg DIR --device cuda [--epochs 2 --batch-size 1048576]
     python benchmarks/kg_scale.py store --store DIR/store          # open, look up, relation table
     python benchmarks/kg_scale.py link --kg DIR                    # EntityLinker over every name
+    python benchmarks/kg_scale.py reltable [--pairs 140000000]     # relation table: old vs new
 
 Each subcommand prints one JSON report (and writes it to $OUT/kg_scale_<step>.json when OUT is
 set) with the command, device, date, wall seconds, peak host memory (max RSS of the process)
@@ -223,6 +224,58 @@ def link_step(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _unique_relation_table(triples: Any, num_entities: int, max_relations: int) -> Any:
+    """The relation table as it was built before (one ``torch.unique`` over int64 keys): the baseline."""
+    import torch
+
+    table = torch.full((num_entities, max_relations), -1, dtype=torch.long)
+    heads, rels = triples[:, 0].long(), triples[:, 1].long()
+    num_rel = int(rels.max()) + 1
+    keys = torch.unique(heads * num_rel + rels)
+    heads, rels = keys // num_rel, keys % num_rel
+    counts = torch.bincount(heads, minlength=num_entities)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(len(keys)) - starts[heads]
+    keep = rank < max_relations
+    table[heads[keep], rank[keep]] = rels[keep]
+    return table
+
+
+def reltable_step(args: argparse.Namespace) -> dict[str, Any]:
+    """Fusion's relation table on random (head, relation) pairs, CPU seconds of this process:
+    the previous build and ``relation_table`` on the same pairs, shuffled and in store order."""
+    import numpy as np
+    import torch
+
+    from rapiddiff.models.fusion import relation_table
+
+    rng = np.random.default_rng(args.seed)
+    pairs = np.empty((args.pairs, 2), dtype=np.int64)
+    pairs[:, 0] = rng.integers(0, args.entities, args.pairs)
+    pairs[:, 1] = rng.integers(0, args.relations, args.pairs)
+    triples = torch.from_numpy(pairs)  # [T, 2]: the table reads heads and relations only
+    report: dict[str, Any] = {"pairs": args.pairs, "entities": args.entities, "relations": args.relations}
+    t0 = time.process_time()
+    new = relation_table(triples, args.entities, 8)
+    report["cpu_seconds_new_shuffled"] = round(time.process_time() - t0, 2)
+    if not args.skip_old:
+        t0 = time.process_time()
+        old = _unique_relation_table(triples, args.entities, 8)
+        report["cpu_seconds_old_unique"] = round(time.process_time() - t0, 2)
+        report["identical"] = bool(torch.equal(new, old))
+        del old
+    keys = pairs[:, 0] * args.relations + pairs[:, 1]  # a store written by head, then relation
+    keys.sort()
+    pairs[:, 0], pairs[:, 1] = keys // args.relations, keys % args.relations
+    del keys
+    t0 = time.process_time()
+    again = relation_table(triples, args.entities, 8)
+    report["cpu_seconds_new_store_order"] = round(time.process_time() - t0, 2)
+    report["identical_store_order"] = bool(torch.equal(new, again))
+    report["heads_with_relations"] = int((new[:, 0] >= 0).sum())
+    return report
+
+
 def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
@@ -255,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--kg", type=Path, required=True)
     k.add_argument("--entities", type=int, help="only the first N names")
     k.add_argument("--chars", type=int, default=200_000)
+    r = sub.add_parser("reltable", help="fusion's relation table on random pairs: old vs new")
+    r.add_argument("--pairs", type=int, default=140_000_000)
+    r.add_argument("--entities", type=int, default=16_000_000)
+    r.add_argument("--relations", type=int, default=200)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--skip-old", action="store_true", help="time only the new build")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -264,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         report = train(args)
     elif args.step == "store":
         report = store_step(args)
+    elif args.step == "reltable":
+        report = reltable_step(args)
     else:
         report = link_step(args)
     report = {

@@ -44,7 +44,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpu_data+cache_text": {"cache_latents": True, "speed": {"gpu_data": True, "cache_text": True}},
     "fused_adamw+foreach_ema": {"optim": {"fused": True}, "speed": {"foreach_ema": True}},
     "cuda_graph": {"speed": {"cuda_graph": True}},
-    "no_graph": {  # what runs on several GPUs (the captured step is single-GPU)
+    "no_graph": {  # `all` without the captured step
         "cache_latents": True,
         "optim": {"fused": True},
         "speed": {"gpu_data": True, "cache_text": True, "foreach_ema": True},

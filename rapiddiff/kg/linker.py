@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rapiddiff.kg.normalize import normalize, normalize_with_offsets, original_span
 from rapiddiff.utils.logging import get_logger
 
@@ -189,14 +191,17 @@ def suggested_frequency(word: str) -> int:
     return max(int(product * total) + 1, d.frequency(word) or 1)
 
 
-def _surface_index(pairs: Iterable[tuple[str, int]]) -> tuple[Any, Any, set[str], int, int]:
+def _surface_index(
+    pairs: Iterable[tuple[str, int]], words: Iterable[str] = ()
+) -> tuple[Any, Any, set[str], int, int]:
     """(MARISA trie of normalised forms, int32 entity id per trie key, the forms' first two
     characters, longest form, clashes).
 
-    On a clash (two forms normalise alike) the first pair wins.
+    On a clash (two forms normalise alike) the first pair wins. ``words`` are put in the same trie
+    with entity id -1 (not forms: the linker adds jieba's dictionary, so one prefix query a
+    position finds both the forms and the segmentation's words).
     """
     import marisa_trie
-    import numpy as np
 
     keys: list[str] = []
     ids: list[int] = []
@@ -210,12 +215,13 @@ def _surface_index(pairs: Iterable[tuple[str, int]]) -> tuple[Any, Any, set[str]
     # The first two characters of every form: most positions of a text start no form, and a set
     # lookup rejects them for a tenth of a trie query.
     heads = {k[:2] for k in keys}
-    trie = marisa_trie.Trie(keys)
+    extra = list(words)
+    trie = marisa_trie.Trie(keys + extra if extra else keys)
     key_ids = np.fromiter(map(trie.key_id, keys), dtype=np.int64, count=len(keys))
     id_array = np.asarray(ids, dtype=np.int64)
     del keys, ids
     _, first = np.unique(key_ids, return_index=True)  # the first pair of each key
-    table = np.empty(len(trie), dtype=np.int32)
+    table = np.full(len(trie), -1, dtype=np.int32)
     table[key_ids[first]] = id_array[first]
     clashes = int(np.count_nonzero(table[key_ids] != id_array))
     return trie, table, heads, longest, clashes
@@ -243,12 +249,27 @@ class EntityLinker:
         ``word_check=False`` skips the jieba check (pure longest match), for ablations.
         """
         pairs = lexicon.items() if isinstance(lexicon, Mapping) else lexicon
-        self.trie, self.entity_ids, self._heads, self.longest, clashes = _surface_index(pairs)
+        jieba_words = _jieba()
+        self.trie, self.entity_ids, self._heads, self.longest, clashes = _surface_index(
+            pairs, jieba_words.trie.keys()
+        )
+        self._forms = int((self.entity_ids >= 0).sum())
+        self._ids = memoryview(self.entity_ids)  # indexing gives a Python int: 3x a numpy scalar
+        # jieba's words in this trie: key id → jieba's weight (the segmentation's DAG edges).
+        # jieba's weight per trie key (NaN: not a jieba word), read through a memoryview (a Python
+        # float per index): 8 bytes a key, e.g. 131 MB at 16 M forms.
+        weights = np.full(len(self.trie), np.nan)
+        key_id = self.trie.key_id
+        for word, i in jieba_words.trie.iteritems():
+            weights[key_id(word)] = jieba_words.weights[i]
+        self._word_weights = memoryview(weights)
+        self._scan_longest = max(self.longest, jieba_words.longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
         if clashes:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
         self._frequencies: dict[str, float] = {}
+        self._form_weights: dict[int, float] = {}  # trie key id → a form's segmentation weight
 
     @classmethod
     def from_store(cls, store: KnowledgeStore, **kwargs: Any) -> EntityLinker:
@@ -259,14 +280,81 @@ class EntityLinker:
         """Every (start, end, entity_id) occurrence of a surface form in normalised text."""
         found = []
         prefixes = self.trie.iter_prefixes_with_ids
-        ids = self.entity_ids
-        longest = self.longest
+        ids = self._ids
+        longest = self.longest  # the forms' longest: jieba's longer words are not needed here
         heads, singles = self._heads, self._singles
         for i in range(len(norm)):
             if norm[i : i + 2] in heads or (singles and norm[i] in singles):
                 for key, key_id in prefixes(norm[i : i + longest]):
-                    found.append((i, i + len(key), int(ids[key_id])))
+                    entity_id = ids[key_id]
+                    if entity_id >= 0:
+                        found.append((i, i + len(key), entity_id))
         return found
+
+    def _scan(self, norm: str) -> tuple[list[tuple[int, int, int]], list[Any]]:
+        """(every form occurrence (start, end, entity_id), the trie's matches per position
+        queried, None where not): the matches include jieba's words, which the word check reuses."""
+        found = []
+        matches: list[Any] = [None] * len(norm)
+        prefixes = self.trie.iter_prefixes_with_ids
+        ids = self._ids
+        longest = self._scan_longest
+        heads, singles = self._heads, self._singles
+        for i in range(len(norm)):
+            if norm[i : i + 2] in heads or (singles and norm[i] in singles):
+                hits = matches[i] = list(prefixes(norm[i : i + longest]))
+                for key, key_id in hits:
+                    entity_id = ids[key_id]
+                    if entity_id >= 0:
+                        found.append((i, i + len(key), entity_id))
+        return found, matches
+
+    def _block_ends(self, norm: str, start: int, end: int, matches: list[Any]) -> list[int]:
+        """:func:`_segment` of ``norm[start:end]`` with the block's forms added (what
+        ``_segment(block, self._extra(...))`` computes: same edges, same order, same float
+        operations), reading the DAG from the combined trie's matches instead of a second query
+        per position into jieba's own trie. Returns absolute end offsets."""
+        prefixes = self.trie.iter_prefixes_with_ids
+        ids, word_weights, longest = self._ids, self._word_weights, self._scan_longest
+        logtotal = _jieba().logtotal
+        form_weights = self._form_weights
+        n = end - start
+        score = [0.0] * (n + 1)
+        nxt = [0] * n
+        for k in range(n - 1, -1, -1):
+            at = start + k
+            hits = matches[at]
+            if hits is None:
+                hits = list(prefixes(norm[at : at + longest]))
+            best_end = -1
+            best = 0.0
+            for key, key_id in hits:  # increasing length, as the DAG's ends are visited
+                i = k + len(key) - 1
+                if i >= n:
+                    break
+                if ids[key_id] >= 0:  # a form inside the block: add_word's weight wins
+                    weight = form_weights.get(key_id)  # type: ignore[assignment]
+                    if weight is None:
+                        if len(form_weights) > 1_000_000:  # bounded, as word_frequency's memo
+                            form_weights.clear()
+                        weight = form_weights[key_id] = math.log(self.word_frequency(key)) - logtotal
+                else:
+                    weight = word_weights[key_id]
+                    if weight != weight:  # NaN: a trie key that is neither a form here nor a jieba word
+                        continue
+                sc = weight + score[i + 1]
+                if best_end < 0 or sc >= best:  # max over (score, end): ties go to the longer word
+                    best, best_end = sc, i
+            if best_end < 0:  # no word starts here: the single character, log(1) - logtotal
+                best, best_end = (0.0 - logtotal) + score[k + 1], k
+            score[k] = best
+            nxt[k] = best_end + 1
+        ends = []
+        x = 0
+        while x < n:
+            x = nxt[x]
+            ends.append(start + x)
+        return ends
 
     def segment_ends(self, block: str) -> list[int]:
         """End offsets of the words of jieba's HMM-free segmentation of one jieba block, with
@@ -300,7 +388,7 @@ class EntityLinker:
     def _checked_candidates(self, norm: str) -> list[tuple[int, int, int]]:
         """Candidates whose both ends are word boundaries: not strictly inside a jieba block,
         or an end of a word of that block's segmentation."""
-        found = self.candidates(norm)
+        found, matches = self._scan(norm)
         if not found:
             return found
         n = len(norm)
@@ -314,18 +402,11 @@ class EntityLinker:
         def inside(p: int) -> bool:
             return 0 < p < n and block_at[p] >= 0 and block_at[p - 1] == block_at[p]
 
-        words: dict[int, list[tuple[int, int]]] = {block_at[p]: [] for c in found for p in c[:2] if inside(p)}
+        to_segment = {block_at[p] for c in found for p in c[:2] if inside(p)}
         boundaries: set[int] = set()
-        if words:
-            for s, e, _ in found:  # the lexicon's forms inside each block to segment
-                b = block_at[s]
-                if b in words and block_at[e - 1] == b:
-                    words[b].append((s, e))
-            for b, spans in words.items():
-                start, end = blocks[b]
-                boundaries.update(
-                    start + x for x in _segment(norm[start:end], self._extra(norm, start, spans))
-                )
+        for b in to_segment:
+            start, end = blocks[b]
+            boundaries.update(self._block_ends(norm, start, end, matches))
         return [
             c
             for c in found
@@ -359,4 +440,4 @@ class EntityLinker:
         return spans
 
     def __len__(self) -> int:
-        return len(self.trie)
+        return self._forms

@@ -37,6 +37,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.strategies import FSDPStrategy
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rapiddiff.models.weights import check_weights_file, is_unsafe_pickle_error, unsafe_pickle_error
@@ -98,6 +99,36 @@ class RapidModule(pl.LightningModule):
     def export(self, path: Path) -> Path:
         """Write the trained model to ``path`` in its release format; returns the path."""
         raise NotImplementedError
+
+    # FSDP (:class:`RapidFSDPStrategy`): which submodules become sharded units, which stay out.
+    def fsdp_units(self) -> list[torch.nn.Module]:
+        """Submodules each wrapped as one FSDP unit (trained ones); the rest go to the root unit."""
+        return []
+
+    def fsdp_ignored(self) -> list[torch.nn.Module]:
+        """Submodules FSDP leaves alone (frozen ones: whole on every rank, not flattened)."""
+        return []
+
+    def unshard_for_export(self, state: dict[str, torch.Tensor]) -> RapidModule:
+        """After an FSDP run: this module with its FSDP wrappers taken out and ``state`` (the gathered
+        full state dict) put in place of the shards, ready for :meth:`export`. Ends FSDP use of it."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        for parent in list(self.modules()):
+            for name, child in list(parent._modules.items()):
+                if isinstance(child, FullyShardedDataParallel):
+                    parent._modules[name] = child.module
+        trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        missing = sorted(trained - set(state))
+        if missing:
+            raise RuntimeError(
+                f"the gathered FSDP state lacks {len(missing)} trained weights (e.g. {missing[0]})"
+            )
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name in state:  # the shard's view becomes the whole tensor again
+                    param.data = state[name].to(param.device, param.dtype)
+        return self
 
 
 def batch_seed(seed: int, rank: int, batch: int) -> int:
@@ -695,6 +726,8 @@ class RapidCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), self.interrupt]
         kwargs = {"plugins": plugins, "callbacks": callbacks, "use_distributed_sampler": False, **kwargs}
+        if _fsdp_strategy(config.get("strategy")) is not config.get("strategy"):
+            kwargs["strategy"] = _fsdp_strategy(config.get("strategy"))
         if config.get("precision") is None:  # unset: follow the accelerator
             kwargs["precision"] = auto_precision(config.get("accelerator"))
             log.info("trainer.precision unset: %s on this machine", kwargs["precision"])
@@ -710,6 +743,70 @@ class RapidCLI(LightningCLI):
             if isinstance(logger, RunTensorBoardLogger) and logger.follows_trainer:
                 logger._root_dir = trainer.default_root_dir
         return trainer
+
+
+class RapidFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDP over the module's own units (``--trainer.strategy=fsdp`` means this).
+
+    The trained submodules the module names (:meth:`RapidModule.fsdp_units`: the U-Net's down/mid/up
+    blocks and the U-Net, the knowledge fusion) become FSDP units; the frozen ones
+    (:meth:`RapidModule.fsdp_ignored`: VAE, text tower, kept in the training dtype) stay whole on
+    every rank, outside the flat parameters (which must share one dtype). Mixed precision is the
+    single-GPU/DDP kind: fp32 parameters and gradient reduction, autocast compute, buffers untouched
+    (the fusion's TransE tables and relation ids). Checkpoints hold the full state dict (one file, the
+    trained weights under their plain names, as the other strategies write them).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        from torch.distributed.fsdp import MixedPrecision
+
+        kwargs.setdefault("state_dict_type", "full")
+        kwargs.setdefault("use_orig_params", True)  # frozen and trained weights may share a unit
+        kwargs.setdefault("mixed_precision", MixedPrecision(reduce_dtype=torch.float32))
+        super().__init__(**kwargs)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        import functools
+
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        module = self.lightning_module
+        if isinstance(module, RapidModule) and "auto_wrap_policy" not in self.kwargs:
+            units = {id(m) for m in module.fsdp_units()}
+            ignored = module.fsdp_ignored()
+            for part in ignored:  # FSDP moves only what it shards
+                part.to(self.root_device)
+            self.kwargs["auto_wrap_policy"] = functools.partial(
+                lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in units
+            )
+            self.kwargs["ignored_modules"] = ignored
+        if self.root_device.type != "cpu":
+            return super()._setup_model(model)
+        # On CPU (gloo; tests) FSDP wants the device itself: Lightning passes its index (None).
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self.root_device,
+            **self.kwargs,
+        )
+
+
+def _fsdp_strategy(strategy: Any) -> Any:
+    """``fsdp`` (the name) → :class:`RapidFSDPStrategy`; anything else unchanged."""
+    return RapidFSDPStrategy() if isinstance(strategy, str) and strategy.lower() == "fsdp" else strategy
+
+
+def unwrapped_for_export(trainer: pl.Trainer, model: RapidModule) -> RapidModule | None:
+    """The module to export from on rank 0 (None on the others): ``model`` itself, or under FSDP a
+    plain copy with the gathered full weights (every rank must call this: it is a collective)."""
+    if isinstance(trainer.strategy, FSDPStrategy):
+        state = trainer.strategy.lightning_module_state_dict()  # full, on rank 0 (CPU)
+        return model.unshard_for_export(state) if trainer.is_global_zero else None
+    return model if trainer.is_global_zero else None
 
 
 def _sharded(trainer_config: dict[str, Any]) -> bool:
@@ -762,8 +859,9 @@ def run_cli(
     if cli.interrupt.interrupted:
         return cli
     output = cli.config.get("output") or os.path.join(trainer.default_root_dir, "model")
-    if trainer.is_global_zero:
-        path = model.export(Path(output))
+    exporter = unwrapped_for_export(trainer, model)
+    if exporter is not None:
+        path = exporter.export(Path(output))
         cli.parser.save(cli.config, str(Path(path) / "training_config.yaml"), skip_none=False, overwrite=True)
         log.info("saved the trained model to %s", path)
     trainer.strategy.barrier("export")

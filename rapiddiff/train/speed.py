@@ -8,7 +8,7 @@ original projections before anything is saved in diffusers' format.
 The switches below ``attention`` take host work off a small model's step (where a 7 M-parameter
 U-Net at 16² latents waits on kernel launches and host syncs, not on arithmetic): latents and
 captions resident on the GPU (``gpu_data``, ``cache_text``), an EMA update of one fused kernel
-(``foreach_ema``) and the U-Net's forward, loss and backward replayed as one CUDA graph
+(``foreach_ema``) and the step's forward, loss and backward replayed as one CUDA graph
 (:class:`GraphedLoss`, ``cuda_graph``). Each computes what the plain step computes, from the
 same random draws in the same order; ``tests/train/test_train_speed.py`` compares their losses.
 """
@@ -48,8 +48,10 @@ class SpeedConfig:
     foreach_ema: bool = False
     """EMA update as one ``torch._foreach_lerp_`` over a cached parameter list (same state format)."""
     cuda_graph: bool = False
-    """Capture the U-Net's forward, loss and backward as one CUDA graph after a few eager steps and
-    replay it every step (one GPU, no gradient accumulation, bf16 or fp32; not with ``compile``)."""
+    """Capture the step's forward, loss and backward (the U-Net's, and the text side's when fusion or
+    the tower trains) as one CUDA graph after a few eager steps and replay it every step (one GPU or
+    DDP, which then all-reduces the gradients after the replay; no gradient accumulation, bf16 or
+    fp32; not with ``compile``)."""
 
 
 def apply_speedups(unet: nn.Module, cfg: SpeedConfig) -> nn.Module:

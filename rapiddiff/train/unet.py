@@ -181,7 +181,6 @@ class LatentDiffusion(RapidModule):
         self._tokenize = TokenMemo(self.text_encoder.tokenize)  # caption → its tokenize() row
         self._resident: ResidentData | None = None  # speed.gpu_data: the training set on the device
         self._graphed: GraphedLoss | None = None  # speed.cuda_graph, from step GRAPH_WARMUP_STEPS on
-        self._text_grad: tuple[torch.Tensor, int] | None = None  # graph step: context to backprop into
         self.strict_loading = False  # checkpoints hold trained weights only (see on_save_checkpoint)
         self.train()  # frozen parts to eval mode now: Lightning keeps submodule modes as it finds them
 
@@ -265,13 +264,15 @@ class LatentDiffusion(RapidModule):
     # ------------------------------------------------------------------ one step
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if self._resident is not None:  # speed.gpu_data: the same draws, gathered on the device
-            latents, context = self._resident.batch(self, batch["position"])
+            latents, text = self._resident.batch(self, batch["position"])
         else:
             latents = self.encode_images(batch)  # (B, C, h, w), scaled
-            context = self.encode_text(self.drop_captions(batch["text"]))  # (B, L, D)
+            captions = self.drop_captions(batch["text"])
+            text = {k: v.to(self.device) for k, v in self._tokenize(captions).items()}
         if self.speed.cuda_graph and self.global_step >= GRAPH_WARMUP_STEPS:
-            loss = self._graph_step(latents, context)
+            loss = self._graph_step(latents, text)
         else:
+            context = text if isinstance(text, torch.Tensor) else self.text_forward(text)  # (B, L, D)
             loss = self.denoising_loss(latents, context)
         ensure_finite(loss, self._trainer)
         self.log("train/loss", loss, prog_bar=True)
@@ -289,12 +290,16 @@ class LatentDiffusion(RapidModule):
         return self.diffusion_loss(prediction, target, timesteps)
 
     # ------------------------------------------------------------------ the captured step
+    @property
+    def text_trains(self) -> bool:
+        return bool({"fusion", "text_encoder"} & set(self.trained))
+
     def _check_graph_trainer(self) -> None:
         trainer = self.trainer
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 and not self._plain_ddp():
             raise ValueError(
-                "speed.cuda_graph runs on one GPU (DDP's gradient all-reduce is not captured): "
-                "set speed.cuda_graph: false for several devices"
+                f"speed.cuda_graph runs on one GPU or under DDP, not {type(trainer.strategy).__name__}: "
+                "set speed.cuda_graph: false or trainer.strategy: ddp"
             )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -303,31 +308,69 @@ class LatentDiffusion(RapidModule):
         if str(trainer.precision).startswith("16"):
             raise ValueError("speed.cuda_graph does not capture fp16 loss scaling: use bf16-mixed or 32-true")
 
-    def _graph_step(self, latents: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def _plain_ddp(self) -> bool:
+        from pytorch_lightning.strategies import DDPStrategy
+
+        return isinstance(self.trainer.strategy, DDPStrategy)
+
+    def _graph_step(
+        self, latents: torch.Tensor, text: torch.Tensor | dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """One step replayed as a CUDA graph. A frozen text side runs before it (no grad, its
+        states are an input); a trained one (fusion, tower) is captured with the U-Net, so its
+        gradients come out of the same replay."""
+        captured = isinstance(text, dict) and self.text_trains
+        if isinstance(text, dict) and not captured:
+            text = self.text_forward(text)
+        names = list(text) if isinstance(text, dict) else []
         if self._graphed is None:
             precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+
+            def text_and_denoising_loss(latents: torch.Tensor, *tokens: torch.Tensor) -> torch.Tensor:
+                context = self.text_forward(dict(zip(names, tokens, strict=True)))
+                return self.denoising_loss(latents, context)
+
             self._graphed = GraphedLoss(
-                self.denoising_loss,
-                [p for p in self.unet.parameters() if p.requires_grad],
+                text_and_denoising_loss if captured else self.denoising_loss,
+                self.trainable_parameters()
+                if captured
+                else [p for p in self.unet.parameters() if p.requires_grad],
                 autocast_dtype=frozen_dtype(precision) if "mixed" in precision else None,
                 capture=latents.device.type == "cuda",
             )
-        loss = self._graphed(latents, context)
-        # The text side (fusion, tower) is not in the graph: backward() continues from here.
-        self._text_grad = (context, 1) if context.requires_grad else None
-        return loss
+        inputs = [text[k] for k in names] if isinstance(text, dict) else [text]
+        return self._graphed(latents, *inputs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._graphed is None or self.global_step < GRAPH_WARMUP_STEPS:
             super().backward(loss, *args, **kwargs)
-            return
-        # The graph's replay already wrote the U-Net's gradients; send the context's on.
-        if self._text_grad is not None:
-            context, index = self._text_grad
-            grad = self._graphed.input_grad(index)
-            assert grad is not None
-            context.backward(grad)
-            self._text_grad = None
+        # else: the graph's replay already wrote the gradients.
+        if self.speed.cuda_graph and self._trainer is not None and self.trainer.world_size > 1:
+            self._all_reduce_grads()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.speed.cuda_graph and self._trainer is not None and self.trainer.world_size > 1:
+            # DDP's reducer all-reduces from autograd hooks, which a replay does not run: keep it
+            # idle (as no_sync() does) and average the gradients in _all_reduce_grads instead.
+            ddp = self.trainer.strategy.model
+            if hasattr(ddp, "require_backward_grad_sync"):
+                ddp.require_backward_grad_sync = False
+
+    @torch.no_grad()
+    def _all_reduce_grads(self) -> None:
+        """Average the trained gradients over the ranks: one all-reduce over a flat copy per dtype."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat)
+            flat.div_(self.trainer.world_size)
+            torch._foreach_copy_(
+                same, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in same]), same, strict=True)]
+            )
 
     def configure_gradient_clipping(
         self,
@@ -338,6 +381,13 @@ class LatentDiffusion(RapidModule):
         # Lightning refuses to clip for a fused AdamW under any AMP plugin (its check is about fp16
         # loss scaling, which the fused kernel would undo); bf16 and fp32 have no scaler, so the
         # clip is the same clip_grad_norm_ Lightning would run.
+        if gradient_clip_val and self._fsdp():
+            # A shard's norm is not the model's: the root FSDP unit reduces it over the ranks.
+            if gradient_clip_algorithm in (None, "norm"):
+                self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_value_(self.trainable_parameters(), gradient_clip_val)
+            return
         fused = any(group.get("fused") for group in optimizer.param_groups)
         if not fused or not gradient_clip_val or str(self.trainer.precision).startswith("16"):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -400,9 +450,7 @@ class LatentDiffusion(RapidModule):
 
     def text_forward(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         """Tokens on the device → hidden states (with grad when a text part trains)."""
-        with torch.set_grad_enabled(
-            torch.is_grad_enabled() and bool({"fusion", "text_encoder"} & set(self.trained))
-        ):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.text_trains):
             return self.text_encoder(**tokens)
 
     def sample_noise(self, latents: torch.Tensor) -> torch.Tensor:
@@ -462,10 +510,46 @@ class LatentDiffusion(RapidModule):
             if hasattr(dataset, "decode_images"):
                 dataset.decode_images = False
 
+    # ------------------------------------------------------------------ FSDP
+    def _fsdp(self) -> bool:
+        from pytorch_lightning.strategies import FSDPStrategy
+
+        return self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The trained parts as FSDP units: the U-Net's down/mid/up blocks and the U-Net itself (its
+        stem and head), the fusion, the text tower and its projection."""
+        units: list[nn.Module] = []
+        if "unet" in self.trained:
+            unet = getattr(self.unet, "_orig_mod", self.unet)
+            units += [
+                *unet.down_blocks,
+                *([unet.mid_block] if unet.mid_block is not None else []),
+                *unet.up_blocks,
+            ]
+            units.append(self.unet)
+        for name in ("fusion", "text_encoder"):
+            if name in self.trained:
+                units.extend(self._part(name) if name == "text_encoder" else [self._part(name)])
+        return units
+
+    def fsdp_ignored(self) -> list[nn.Module]:
+        """Frozen parts stay whole on every rank (in the training dtype, outside the flat parameters)."""
+        ignored: list[nn.Module] = [self.vae]
+        for name in ("unet", "fusion", "text_encoder"):
+            if name not in self.trained and (name != "fusion" or self.text_encoder.fusion is not None):
+                part = self._part(name)
+                ignored.extend(part if isinstance(part, nn.ModuleList) else [part])
+        return ignored
+
+    def _trained_names(self) -> set[str]:
+        # Under FSDP the wrapped submodules' names carry "_fsdp_wrapped_module."; checkpoints don't.
+        return {_plain_name(n) for n, p in self.named_parameters() if p.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Only what training changes: frozen weights come back from the config's sources.
-        trained = {n for n, p in self.named_parameters() if p.requires_grad}
-        frozen = {n for n, _ in self.named_parameters()} - trained
+        trained = self._trained_names()
+        frozen = {_plain_name(n) for n, _ in self.named_parameters()} - trained
         state = checkpoint["state_dict"]
         for name in frozen & set(state):
             del state[name]
@@ -473,8 +557,9 @@ class LatentDiffusion(RapidModule):
             checkpoint["ema"] = self.ema.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        trained = {n for n, p in self.named_parameters() if p.requires_grad}
-        missing = sorted(trained - set(checkpoint["state_dict"]))
+        trained = self._trained_names()
+        # FSDP's loader has already taken the weights out ("state_dict" popped) and loaded them.
+        missing = sorted(trained - set(checkpoint["state_dict"])) if "state_dict" in checkpoint else []
         if missing:
             raise ValueError(
                 f"the checkpoint lacks {len(missing)} trained weights (e.g. {missing[0]}): it was written "
@@ -626,6 +711,10 @@ class LatentDiffusion(RapidModule):
         return load_upscaler(folder)
 
 
+def _plain_name(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
 def _check_speed(speed: SpeedConfig, cache_latents: bool, trainable: list[str]) -> None:
     if speed.gpu_data and not cache_latents:
         raise ValueError("speed.gpu_data keeps the latent cache on the GPU: set model.cache_latents: true")
@@ -706,8 +795,11 @@ class ResidentData:
             states=states,
         )
 
-    def batch(self, module: LatentDiffusion, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latents (B, C, h, w) scaled, context (B, L, D)) for these sampler positions."""
+    def batch(
+        self, module: LatentDiffusion, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
+        """Latents (B, C, h, w) scaled, and the cached context (B, L, D) or the captions' tokens
+        (B, L) for these sampler positions."""
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         positions = positions.to(self.rows.device, non_blocking=True)
@@ -719,7 +811,7 @@ class ResidentData:
         caption = torch.where(drop, self.empty, self.captions[positions])  # (B,)
         if self.states is not None:
             return latents, self.states[caption]
-        return latents, module.text_forward({k: v[caption] for k, v in self.tokens.items()})
+        return latents, {k: v[caption] for k, v in self.tokens.items()}
 
 
 def frozen_dtype(precision: str) -> torch.dtype:

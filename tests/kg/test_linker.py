@@ -217,3 +217,62 @@ def test_large_lexicon_from_pairs_and_clashes() -> None:
         ("名字42号", 42),
         ("abc", 7),
     ]
+
+
+def _reference_checked(linker: EntityLinker, norm: str) -> list[tuple[int, int, int]]:
+    """The word check as it was: a second query per position into jieba's own trie (_segment),
+    the block's forms added through _extra."""
+    from rapiddiff.kg.linker import _JIEBA_BLOCK, _inner_alnum, _segment
+
+    found = linker.candidates(norm)
+    n = len(norm)
+    block_at = [-1] * n
+    blocks = []
+    for b, match in enumerate(_JIEBA_BLOCK.finditer(norm)):
+        blocks.append(match.span())
+        block_at[match.start() : match.end()] = [b] * (match.end() - match.start())
+
+    def inside(p: int) -> bool:
+        return 0 < p < n and block_at[p] >= 0 and block_at[p - 1] == block_at[p]
+
+    words: dict[int, list[tuple[int, int]]] = {block_at[p]: [] for c in found for p in c[:2] if inside(p)}
+    for s, e, _ in found:
+        if block_at[s] in words and block_at[e - 1] == block_at[s]:
+            words[block_at[s]].append((s, e))
+    boundaries: set[int] = set()
+    for b, spans in words.items():
+        start, end = blocks[b]
+        boundaries.update(start + x for x in _segment(norm[start:end], linker._extra(norm, start, spans)))
+    return [
+        c
+        for c in found
+        if (not inside(c[0]) or c[0] in boundaries)
+        and (not inside(c[1]) or c[1] in boundaries)
+        and not _inner_alnum(norm, c[0], n)
+        and not _inner_alnum(norm, c[1], n)
+    ]
+
+
+def test_word_check_reads_the_combined_trie_as_jieba_would() -> None:
+    """One query a position (forms and jieba's words in one trie) keeps exactly the candidates the
+    separate jieba pass kept, on dense random text over a lexicon of dictionary words."""
+    import random
+
+    from rapiddiff.kg.linker import _jieba_dictionary
+    from rapiddiff.kg.normalize import normalize
+
+    rng = random.Random(3)
+    freq, _ = _jieba_dictionary()
+    words = sorted(w for w, f in freq.items() if f and len(w) >= 2)
+    lexicon = {w: i for i, w in enumerate(rng.sample(words, 3000))}
+    lexicon.update({"番茄": 3000, "番茄酱": 3001, "红色": 3002, "abc": 3003, "C++": 3004})
+    linker = EntityLinker(lexicon)
+    pool = [*rng.sample(words, 400), *lexicon, "，", "。", "的", "了", "x", "12"]
+    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(3, 30))) for _ in range(200)]
+    kept = found = 0
+    for text in texts:
+        norm = normalize(text)
+        ours = linker._checked_candidates(norm)
+        assert ours == _reference_checked(linker, norm), text
+        kept, found = kept + len(ours), found + len(linker.candidates(norm))
+    assert 500 < kept < found  # dense in forms, and the check rejected some

@@ -1,0 +1,98 @@
+"""KnowledgeFusion's sync-free forward against the formula it replaced (torch.unique + boolean indexing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion, relation_table
+
+
+def reference_forward(fusion: KnowledgeFusion, token_entity_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The previous forward: each distinct linked entity once, scattered back by a boolean mask."""
+    linked = token_entity_ids >= 0
+    ids, inverse = torch.unique(token_entity_ids[linked], return_inverse=True)
+    features = fusion.entity_features(ids)
+    deltas = []
+    for proj, gate in zip(fusion.out_proj, fusion.gates, strict=True):
+        per_entity = gate * proj(features)
+        delta = per_entity.new_zeros(*token_entity_ids.shape, per_entity.shape[-1])
+        delta[linked] = per_entity[inverse]
+        deltas.append(delta)
+    return deltas
+
+
+def make_fusion(seed: int, entities: int = 40, relations: int = 5) -> KnowledgeFusion:
+    torch.manual_seed(seed)
+    fusion = KnowledgeFusion(
+        FusionConfig(kg_dim=8, hidden_size=12, num_layers=2, max_relations=3, mlp_dim=10)
+    )
+    with torch.no_grad():
+        fusion.gates.normal_()  # non-zero gates: the deltas are not all zero
+    triples = torch.stack(
+        [
+            torch.randint(0, entities, (60,)),
+            torch.randint(0, relations, (60,)),
+            torch.randint(0, entities, (60,)),
+        ],
+        1,
+    )
+    fusion.set_knowledge(torch.randn(entities, 8), torch.randn(relations, 8), triples)
+    return fusion
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forward_matches_the_unique_formula(seed: int) -> None:
+    fusion = make_fusion(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    ids = torch.randint(0, 40, (5, 11), generator=g)
+    ids[torch.rand(ids.shape, generator=g) < 0.6] = -1  # padding / unknown tokens
+    ids[0, 3:6] = 7  # one entity spanning several tokens, and again in another row
+    ids[2, 0] = 7
+    ids[4] = -1  # a row without any entity
+    new, old = fusion(ids), reference_forward(fusion, ids)
+    assert len(new) == len(old) == 2
+    for a, b in zip(new, old, strict=True):
+        assert a.shape == (5, 11, 12)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.all(a[ids < 0] == 0)
+        assert a[ids >= 0].abs().sum() > 0
+
+
+def test_gradients_match_the_unique_formula() -> None:
+    fusion = make_fusion(5)
+    ids = torch.tensor([[3, 3, -1, 9, -1], [-1, 9, 0, -1, -1]])
+    grads = []
+    for fn in (lambda: fusion(ids), lambda: reference_forward(fusion, ids)):
+        fusion.zero_grad()
+        sum((d * torch.arange(d.numel()).reshape(d.shape)).sum() for d in fn()).backward()
+        grads.append({n: p.grad.clone() for n, p in fusion.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_item_dropout_draws_as_before_on_cpu() -> None:
+    """Dropout is per distinct entity, in torch.unique's order: the same draws as the old formula."""
+    fusion = make_fusion(6).train()
+    fusion.item_dropout = 0.5
+    ids = torch.tensor([[12, 12, 4, -1, 30], [4, -1, -1, 30, 2]])
+    torch.manual_seed(1)
+    new = fusion(ids)
+    torch.manual_seed(1)
+    old = reference_forward(fusion, ids)
+    for a, b in zip(new, old, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_all_unlinked_and_out_of_range_ids() -> None:
+    fusion = make_fusion(7)
+    ids = torch.full((2, 4), -1)
+    assert all(torch.all(d == 0) for d in fusion(ids))
+    with pytest.raises(ValueError, match="refer to entity 40, but the store has 40"):
+        fusion(torch.tensor([[1, 40]]))
+
+
+def test_relation_table_is_distinct_sorted_and_capped() -> None:
+    triples = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 2, 4], [0, 0, 1], [2, 3, 0], [0, 4, 0]])
+    table = relation_table(triples, 4, 3)
+    assert table.tolist() == [[0, 1, 2], [-1, -1, -1], [3, -1, -1], [-1, -1, -1]]
