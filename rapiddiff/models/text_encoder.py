@@ -54,6 +54,13 @@ _TEXT_MODEL_CLASSES = {
     "chinese_clip_text_model": "ChineseCLIPTextModel",
     "clip_text_model": "CLIPTextModel",
 }
+# ... and the file each class lives in: imported from there with transformers.models' __init__
+# deferred (it scans ~400 model folders on import; rapiddiff.utils.imports says how).
+_TEXT_MODEL_MODULES = {
+    "BertModel": "transformers.models.bert.modeling_bert",
+    "ChineseCLIPTextModel": "transformers.models.chinese_clip.modeling_chinese_clip",
+    "CLIPTextModel": "transformers.models.clip.modeling_clip",
+}
 
 
 def chinese_bert_tokenizer(model_max_length: int = 77) -> PreTrainedTokenizerBase:
@@ -486,7 +493,7 @@ def _model_type(config_path: Path) -> str | None:
 
 def load_text_model(text_dir: Path) -> PreTrainedModel:
     """A text tower from a transformers folder, by its config's model_type."""
-    import transformers
+    from rapiddiff.utils.imports import import_module
 
     model_type = _model_type(text_dir / "config.json")
     name = _TEXT_MODEL_CLASSES.get(model_type or "")
@@ -496,7 +503,8 @@ def load_text_model(text_dir: Path) -> PreTrainedModel:
             f"supported: {', '.join(sorted(_TEXT_MODEL_CLASSES))}"
         )
     kwargs = {} if name == "CLIPTextModel" else {"add_pooling_layer": False}  # the pooler is never used
-    return getattr(transformers, name).from_pretrained(str(text_dir), **kwargs)
+    cls = getattr(import_module(_TEXT_MODEL_MODULES[name], defer=["transformers.models"]), name)
+    return cls.from_pretrained(str(text_dir), **kwargs)
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
