@@ -1,6 +1,7 @@
-"""The model folder's own load of unet/ and vae/ gives what diffusers' ``from_pretrained`` gives:
-the same config, tensors (values and dtype), mode and images, for the built-in model and a tiny
-diffusers-format folder; and the library imports it does skip nothing a later import needs."""
+"""The model folder's own load of unet/, vae/ and a BERT text_encoder/ gives what diffusers' and
+transformers' ``from_pretrained`` give: the same config, tensors (values and dtype), mode, outputs
+and images, for the built-in model and a tiny diffusers-format folder; and the library imports it
+defers leave nothing missing for a later import."""
 
 from __future__ import annotations
 
@@ -34,13 +35,17 @@ def _assert_same_module(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
     assert type(ours) is type(theirs)
     assert dict(ours.config) == dict(theirs.config)
     assert ours.training == theirs.training is False
-    mine, other = ours.state_dict(), theirs.state_dict()
+    _assert_tensors_equal(ours.state_dict(), theirs.state_dict())
+    _assert_tensors_equal(dict(ours.named_buffers()), dict(theirs.named_buffers()))
+
+
+def _assert_tensors_equal(mine: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
     assert list(mine) == list(other)
     for key, value in mine.items():
         assert value.dtype == other[key].dtype, key
         assert value.device == other[key].device, key
+        assert value.shape == other[key].shape, key
         assert torch.equal(value, other[key]), key
-    assert [n for n, _ in ours.named_buffers()] == [n for n, _ in theirs.named_buffers()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -76,6 +81,36 @@ def test_tiny_folder_image_equals_one_from_diffusers_parts(tiny_model):
     theirs = RapidDiffusionPipeline.from_bundle(bundle)
     kwargs = {"seed": 3, "num_inference_steps": 3, "output_type": "np", "progress": False}
     assert (ours("一个红色的苹果", **kwargs).images == theirs("一个红色的苹果", **kwargs).images).all()
+
+
+@pytest.mark.parametrize("where", ["builtin", "tiny"])
+def test_text_tower_equals_transformers_from_pretrained(where, tiny_model):
+    from rapiddiff.models.text_encoder import _TEXT_MODEL_MODULES, load_text_model
+    from rapiddiff.utils.imports import import_module
+
+    folder = builtin_model_dir() if where == "builtin" else tiny_model
+    if not (folder / "text_encoder" / "model.safetensors").is_file():
+        pytest.skip("no built-in model in this checkout")
+    cls = import_module(_TEXT_MODEL_MODULES["BertModel"]).BertModel
+    theirs = cls.from_pretrained(str(folder / "text_encoder"), add_pooling_layer=False)
+    ours = load_text_model(folder / "text_encoder")
+    if where == "builtin":  # the shipped fp16 tower must take the direct load
+        from rapiddiff.models.text_encoder import _load_own_weights
+
+        assert _load_own_weights(cls, folder / "text_encoder", {"add_pooling_layer": False}) is not None
+    assert type(ours) is type(theirs)
+    assert ours.config.to_dict() == theirs.config.to_dict()
+    assert ours.config._attn_implementation == theirs.config._attn_implementation
+    assert ours.training == theirs.training is False
+    _assert_tensors_equal(ours.state_dict(), theirs.state_dict())
+    _assert_tensors_equal(dict(ours.named_buffers()), dict(theirs.named_buffers()))
+    ids = torch.randint(0, ours.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1:, 9:] = 0
+    with torch.inference_mode():
+        a = ours.float()(input_ids=ids, attention_mask=mask).last_hidden_state
+        b = theirs.float()(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(a, b)
 
 
 def _copy_part(src: Path, dst: Path, state: dict[str, torch.Tensor]) -> Path:
