@@ -54,6 +54,13 @@ _TEXT_MODEL_CLASSES = {
     "chinese_clip_text_model": "ChineseCLIPTextModel",
     "clip_text_model": "CLIPTextModel",
 }
+# ... and the file each class lives in: imported from there with transformers.models' __init__
+# deferred (it scans ~400 model folders on import; rapiddiff.utils.imports says how).
+_TEXT_MODEL_MODULES = {
+    "BertModel": "transformers.models.bert.modeling_bert",
+    "ChineseCLIPTextModel": "transformers.models.chinese_clip.modeling_chinese_clip",
+    "CLIPTextModel": "transformers.models.clip.modeling_clip",
+}
 
 
 def chinese_bert_tokenizer(model_max_length: int = 77) -> PreTrainedTokenizerBase:
@@ -486,7 +493,7 @@ def _model_type(config_path: Path) -> str | None:
 
 def load_text_model(text_dir: Path) -> PreTrainedModel:
     """A text tower from a transformers folder, by its config's model_type."""
-    import transformers
+    from rapiddiff.utils.imports import import_module
 
     model_type = _model_type(text_dir / "config.json")
     name = _TEXT_MODEL_CLASSES.get(model_type or "")
@@ -496,7 +503,38 @@ def load_text_model(text_dir: Path) -> PreTrainedModel:
             f"supported: {', '.join(sorted(_TEXT_MODEL_CLASSES))}"
         )
     kwargs = {} if name == "CLIPTextModel" else {"add_pooling_layer": False}  # the pooler is never used
-    return getattr(transformers, name).from_pretrained(str(text_dir), **kwargs)
+    cls = getattr(import_module(_TEXT_MODEL_MODULES[name], defer=["transformers.models"]), name)
+    model = _load_own_weights(cls, text_dir, kwargs) if name == "BertModel" else None
+    return model if model is not None else cls.from_pretrained(str(text_dir), **kwargs)
+
+
+def _load_own_weights(cls: Any, text_dir: Path, kwargs: dict[str, Any]) -> PreTrainedModel | None:
+    """``from_pretrained`` for the BERT towers rapiddiff writes: the module built from its config,
+    then ``model.safetensors`` put in place in one ``load_state_dict`` (in the file's dtype, which
+    is what transformers' default ``dtype="auto"`` gives when the config names it).
+
+    Why not ``cls.from_pretrained``: transformers 5 builds its checkpoint-conversion table (~1,100
+    compiled regexes, ~0.2 s of CPU) on every load, for a tower whose keys need no conversion.
+    Anything else — no safetensors file, keys that are not exactly the module's (a ``bert.``
+    prefix, a pooler), a dtype the config does not name — returns None: ``from_pretrained``.
+    tests/models/test_fast_load.py compares the two (config, tensors, outputs).
+    """
+    from safetensors.torch import load_file
+
+    file = text_dir / "model.safetensors"
+    if not file.is_file():
+        return None
+    config = cls.config_class.from_pretrained(str(text_dir))
+    state = load_file(file)
+    if {v.dtype for v in state.values() if v.is_floating_point()} != {config.dtype}:
+        return None
+    model = cls(config, **kwargs)
+    own = model.state_dict()
+    if set(state) != set(own) or any(state[k].shape != v.shape for k, v in own.items()):
+        return None
+    model.load_state_dict(state, strict=True, assign=True)
+    model.config.name_or_path = str(text_dir)  # what from_pretrained records
+    return model.eval()
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
