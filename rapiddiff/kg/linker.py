@@ -170,11 +170,17 @@ def _segment(block: str, extra: dict[int, dict[int, float]] | None = None) -> li
             best, best_end = (0.0 - logtotal) + score[k + 1], k
         score[k] = best
         nxt[k] = best_end + 1
+    return _path_ends(nxt)
+
+
+def _path_ends(nxt: list[int], offset: int = 0) -> list[int]:
+    """The word ends along the best path of a segmentation DP (``nxt[k]``: where the word starting
+    at ``k`` ends), plus ``offset``."""
     ends = []
     x = 0
-    while x < n:
+    while x < len(nxt):
         x = nxt[x]
-        ends.append(x)
+        ends.append(offset + x)
     return ends
 
 
@@ -349,12 +355,7 @@ class EntityLinker:
                 best, best_end = (0.0 - logtotal) + score[k + 1], k
             score[k] = best
             nxt[k] = best_end + 1
-        ends = []
-        x = 0
-        while x < n:
-            x = nxt[x]
-            ends.append(start + x)
-        return ends
+        return _path_ends(nxt, start)
 
     def segment_ends(self, block: str) -> list[int]:
         """End offsets of the words of jieba's HMM-free segmentation of one jieba block, with
