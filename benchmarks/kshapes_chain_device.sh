@@ -37,7 +37,9 @@ if [ "$part" = prep ]; then
     --workers 2 --pack "$out" > "$out/chain_prep.log" 2>&1 &
   chain=$!
   until grep -q "data: exit 0" $work/seed-0.log 2>/dev/null || ! kill -0 $chain 2>/dev/null; do sleep 2; done
-  timeout $((530 - SECONDS)) python benchmarks/kshapes_vae_recipes.py --out /tmp/vr --data $work/seed-0/data \
+  init=()  # VAE_INIT=path/vae_best.tgz: continue training an earlier call's VAE instead of starting over
+  if [ -n "${VAE_INIT:-}" ]; then mkdir -p /tmp/vae_init && tar xzf "$VAE_INIT" -C /tmp/vae_init && init=(--init /tmp/vae_init/vae); fi
+  timeout $((530 - SECONDS)) python benchmarks/kshapes_vae_recipes.py "${init[@]}" --out /tmp/vr --data $work/seed-0/data \
     --minutes "${VAE_MINUTES:-5.5}" --recipes "${RECIPES:-c64}" \
     --workers 2 --eval-images 300 --best-to "$out/vae_best.tgz" > "$out/vae_recipes.log" 2>&1
   wait $chain

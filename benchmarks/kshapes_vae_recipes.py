@@ -82,6 +82,11 @@ def main() -> int:
         type=Path,
         help="write the best recipe's VAE folder here as a .tgz (both %%, then object PSNR)",
     )
+    parser.add_argument(
+        "--init",
+        type=Path,
+        help="warm-start every recipe from this VAE folder (its architecture; scaling_factor re-measured)",
+    )
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +111,7 @@ def main() -> int:
         root = out / name
         cmd = [
             python, "-m", "rapiddiff", "train", "vae", "--config", str(ROOT / "configs/vae/kshapes.yaml"),
-            *RECIPES[name],
+            *_recipe(name, args.init),
             f"--trainer.max_steps={3 if args.smoke else 100000}",
             f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}",
             f"--trainer.precision={'bf16-mixed' if gpu else '32-true'}",
@@ -164,6 +169,14 @@ def main() -> int:
             tar.add(half, arcname="vae")
         print(f"[recipes] best: {best} → {args.best_to}", flush=True)
     return 0 if len(results) == len(names) else 1
+
+
+def _recipe(name: str, init: Path | None) -> list[str]:
+    """A recipe's overrides; warm-started, the folder's config replaces the recipe's architecture."""
+    if init is None:
+        return RECIPES[name]
+    keep = [o for o in RECIPES[name] if not o.startswith("--model.architecture=")]
+    return [*keep, f"--model.vae={init.resolve()}", "--model.latent_scaling=data"]
 
 
 def _write(out: Path, results: dict[str, dict], seconds: int, args: argparse.Namespace, gpu: bool) -> None:

@@ -177,7 +177,11 @@ class VAETraining(RapidModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         dataset = getattr(datamodule, "train_set", None)
         if self.calibrate and dataset is not None:
-            stats = set_scaling_factor(self.vae, dataset, self.calibration_images, seed=self.seed)
+            # Lightning's teardown has moved the model back to the CPU; the encoder passes are
+            # minutes there and seconds on a GPU.
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            stats = set_scaling_factor(self.vae.to(device), dataset, self.calibration_images, seed=self.seed)
+            self.vae.to("cpu")
             log.info("VAE scaling_factor = 1 / latent std = %.5f (%s)", self.vae.config.scaling_factor, stats)
         self.vae.save_pretrained(path, safe_serialization=True)
         return Path(path)
