@@ -6,10 +6,11 @@ the knowledge switch, ``RapidDiffusionPipeline(..., knowledge=...)``). Each row 
 the entity and its colour/shape from the model's own knowledge graph; each image with the colour
 the kshapes detector reads off it, ✓ where it is the KG's colour.
 
-    python benchmarks/builtin_grid.py --kshapes /tmp/ksfull --out docs/builtin_grid.png
+    python benchmarks/builtin_grid.py --out docs/builtin_grid.png
     python benchmarks/builtin_grid.py --model /tmp/bi/builtin --kshapes /tmp/ksfull --steps 25
 
-Held-out entities come from ``--kshapes DIR`` (its heldout_entities.txt) or ``--heldout``.
+Held-out entities come from ``--heldout``, ``--kshapes DIR`` (its heldout_entities.txt) or, by default,
+the model folder's knowledge/kg_only_entities.json (the chain writes it).
 Labels need a font with Chinese glyphs: ``--font``, else the first ``fc-list :lang=zh`` finds;
 with none, rows are labelled in English (colour, shape, entity number) and the entity names are
 listed in ``OUT.txt`` beside the PNG.
@@ -59,13 +60,17 @@ def kg_attributes(store: Any, name: str) -> dict[str, str]:
     return {names[rel]: store.entity_names[tail] for rel, tail in store.facts(entity)}
 
 
-def read_heldout(kshapes: Path | None, given: str | None) -> list[str]:
+def read_heldout(kshapes: Path | None, given: str | None, model_dir: Path) -> list[str]:
     if given:
         return [n.strip() for n in given.split(",") if n.strip()]
     if kshapes is None:
+        # The chain records its test held-out entities in the model folder it exports.
+        record = model_dir / "knowledge" / "kg_only_entities.json"
+        if record.is_file():
+            return list(json.loads(record.read_text(encoding="utf-8"))["heldout"])
         raise ValueError(
-            "held-out entities unknown: pass --kshapes DIR (the kshapes data the model was trained on) "
-            "or --heldout NAME,NAME"
+            f"held-out entities unknown: {record} not found; pass --kshapes DIR (the kshapes data the "
+            "model was trained on) or --heldout NAME,NAME"
         )
     file = kshapes / "heldout_entities.txt"
     if not file.is_file():
@@ -140,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     from rapiddiff.utils.device import resolve_device, resolve_dtype
     from rapiddiff.utils.io import atomic_open, atomic_write_text
 
+    model_dir = resolve_model_dir(str(args.model) if args.model else None)
     try:  # bad input is reported before the model is loaded
-        heldout_names = read_heldout(args.kshapes, args.heldout)
+        heldout_names = read_heldout(args.kshapes, args.heldout, model_dir)
         font_path = find_cjk_font(args.font)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    model_dir = resolve_model_dir(str(args.model) if args.model else None)
     seeds = [int(s) for s in args.seeds.split(",")]
     device = resolve_device(args.device)
     pipe = RapidDiffusionPipeline.from_pretrained(
