@@ -246,6 +246,47 @@ def _distinct_rows(ids: Any, n_entities: int, n_relations: int) -> tuple[Any, in
     return ids[first], len(ids) - len(first)
 
 
+def group_triples(ids: Any, n_entities: int, n_relations: int) -> Any:
+    """The distinct rows of an int64 [T, 3] id array sorted by (head, relation, tail).
+
+    What a KnowledgeStore writes: every head's facts in one run, by relation, so fusion's
+    relation table (``rapiddiff.models.fusion.relation_table``) finds its keys already in order
+    and skips its sort (6 instead of 20 CPU-s at 140 M facts). Rows already in that order and
+    distinct (a TransE run's triples) are returned as they are after one linear check; otherwise
+    one sort of int64 keys (head·R + relation)·E + tail, decoded in place: 140 M rows take
+    seconds and 2 × 8 bytes a row beyond the input and output.
+    """
+    import numpy as np
+
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[1] != 3:
+        raise ValueError(f"triples must be [T, 3] ids, got shape {list(ids.shape)}")
+    if len(ids) < 2:
+        return ids
+    n_entities, n_relations = max(int(n_entities), 1), max(int(n_relations), 1)
+    if n_entities * n_entities * n_relations >= 2**63:  # ids too large for one int64 key
+        return np.unique(ids, axis=0)  # lexicographic rows: the same order
+    keys = np.multiply(ids[:, 0], n_relations, dtype=np.int64)
+    keys += ids[:, 1]
+    keys *= n_entities
+    keys += ids[:, 2]
+    if bool((keys[1:] > keys[:-1]).all()):
+        return ids
+    keys.sort()
+    distinct = np.empty(len(keys), dtype=bool)
+    distinct[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=distinct[1:])
+    if not distinct.all():
+        keys = keys[distinct]
+    del distinct
+    out = np.empty((len(keys), 3), dtype=np.int64)
+    np.floor_divide(keys, n_relations * n_entities, out=out[:, 0])
+    np.remainder(keys, n_relations * n_entities, out=keys)
+    np.floor_divide(keys, n_entities, out=out[:, 1])
+    np.remainder(keys, n_entities, out=out[:, 2])
+    return out
+
+
 def write_triples_array(
     path: str | Path,
     ids: Any,
@@ -258,6 +299,8 @@ def write_triples_array(
 
     Each name's UTF-8 bytes are stored once; the lines are gathered from them with numpy, a chunk
     of triples at a time, so 140 M triples take about a minute instead of a Python loop's ten.
+    Lines are written in the order of ``ids``; a KnowledgeStore passes them through
+    :func:`group_triples` first.
     """
     import numpy as np
 
