@@ -25,6 +25,7 @@ the same way. The TSV is written with numpy through ``rapiddiff.kg.triples.write
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -32,6 +33,7 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,18 +141,77 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     cfg_file.write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    phases: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    code = cli(["kg", "train", "--config", str(cfg_file), "--device", args.device])
+    with _timed_phases(phases):
+        code = cli(["kg", "train", "--config", str(cfg_file), "--device", args.device])
     seconds = time.perf_counter() - t0
     store = kg / "store"
     metrics = json.loads((store / "config.json").read_text(encoding="utf-8")).get("training", {})
     report: dict[str, Any] = {"exit_code": code, "config": config, "seconds": round(seconds, 1)}
+    report["phases"] = phases
     report["training"] = {k: v for k, v in metrics.items() if k != "config"}
     if torch.cuda.is_available():
         report["gpu_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         report["gpu_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
         report["gpu"] = torch.cuda.get_device_name()
     return report
+
+
+@contextlib.contextmanager
+def _timed_phases(phases: dict[str, dict[str, float]]) -> Iterator[None]:
+    """Time the steps of ``rapiddiff kg train`` run in this process (wrapping its functions): wall
+    seconds, the process's resident memory after the step and its peak so far, and the GPU's peak
+    allocation during the step. Each step is printed as it ends, so a run cut off by a time limit
+    still shows the steps it finished."""
+    import torch
+
+    from rapiddiff.kg import transe
+    from rapiddiff.kg.store import KnowledgeStore
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            if cuda:
+                torch.cuda.synchronize()
+            phase = {"seconds": round(time.perf_counter() - t0, 1), "rss_gb": round(_current_rss_gb(), 2)}
+            phase["peak_rss_gb"] = round(_rss_gb(), 2)
+            if cuda:
+                phase["gpu_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                phase["gpu_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            phases[name] = phase
+            print(f"[kg_scale] {name}: {json.dumps(phase)}", flush=True)
+            return result
+
+        return wrapper
+
+    targets = [
+        (transe, "_load_data", "load: read + distinct + TriplesFactory + split"),
+        (transe, "_train_loop", "train"),
+        (transe, "_filtered_evaluation", "evaluate (filtered, sampled)"),
+        (transe, "_to_store", "to_store"),
+        (KnowledgeStore, "save", "save"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in targets]
+    for owner, attr, name in targets:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def _current_rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 def store_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,9 +243,13 @@ def store_step(args: argparse.Namespace) -> dict[str, Any]:
         triples = store.triples
         report["triples"] = len(triples)
         report["triples_read_seconds"] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()
+        keys = triples[:, 0] * len(store.relation_names) + triples[:, 1]
+        report["triples_grouped_by_head_relation"] = bool((keys[1:] >= keys[:-1]).all())
+        del keys
+        t0, c0 = time.perf_counter(), time.process_time()
         table = relation_table(triples, len(store), 8)
         report["relation_table_seconds"] = round(time.perf_counter() - t0, 2)
+        report["relation_table_cpu_seconds"] = round(time.process_time() - c0, 2)
         report["relation_table_shape"] = list(table.shape)
     return report
 
