@@ -107,6 +107,10 @@ def test_read_triples_array_fast_and_small_paths_agree(tmp_path, monkeypatch) ->
         ]
         assert sorted(ids.tolist()) == factory.mapped_triples.tolist()  # pykeen sorts them
         assert entities == list(factory.entity_to_id) and relations == list(factory.relation_to_id)
+    for reader_small in (True, False):  # sort=True: the same triples, sorted (pykeen's order)
+        monkeypatch.setattr(T, "_SMALL_FILE", 16 << 20 if reader_small else 0)
+        ids, entities, relations = T.read_triples_array(path, sort=True)
+        assert ids.tolist() == factory.mapped_triples.tolist() and entities == large[1]
     out = tmp_path / "out.tsv"
     T.write_triples_array(out, large[0], large[1], large[2], header="x", chunk=2)
     assert T.read_triples(out) == exact
