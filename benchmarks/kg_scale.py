@@ -9,7 +9,8 @@ a graph of that shape and measures each step on it:
     python benchmarks/kg_scale.py link --kg DIR                    # EntityLinker over every name
     python benchmarks/kg_scale.py reltable [--pairs 140000000] [--from-store DIR]   # relation table
 
-Each subcommand prints one JSON report (and writes it to $OUT/kg_scale_<step>.json when OUT is
+``benchmarks/kg_scale_device.sh`` runs generate, train (1 epoch, a sampled filtered evaluation, the
+save) and store in one device call. Each subcommand prints one JSON report (and writes it to $OUT/kg_scale_<step>.json when OUT is
 set) with the command, device, date, wall seconds, peak host memory (max RSS of the process)
 and, for training, peak GPU memory.
 
