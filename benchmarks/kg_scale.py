@@ -7,9 +7,10 @@ a graph of that shape and measures each step on it:
     python benchmarks/kg_scale.py train --kg DIR --device cuda [--epochs 2 --batch-size 1048576]
     python benchmarks/kg_scale.py store --store DIR/store          # open, look up, relation table
     python benchmarks/kg_scale.py link --kg DIR                    # EntityLinker over every name
-    python benchmarks/kg_scale.py reltable [--pairs 140000000]     # relation table: old vs new
+    python benchmarks/kg_scale.py reltable [--pairs 140000000] [--from-store DIR]   # relation table
 
-Each subcommand prints one JSON report (and writes it to $OUT/kg_scale_<step>.json when OUT is
+``benchmarks/kg_scale_device.sh`` runs generate, train (1 epoch, a sampled filtered evaluation, the
+save) and store in one device call. Each subcommand prints one JSON report (and writes it to $OUT/kg_scale_<step>.json when OUT is
 set) with the command, device, date, wall seconds, peak host memory (max RSS of the process)
 and, for training, peak GPU memory.
 
@@ -25,6 +26,7 @@ the same way. The TSV is written with numpy through ``rapiddiff.kg.triples.write
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -32,6 +34,7 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,18 +142,77 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     cfg_file.write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    phases: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    code = cli(["kg", "train", "--config", str(cfg_file), "--device", args.device])
+    with _timed_phases(phases):
+        code = cli(["kg", "train", "--config", str(cfg_file), "--device", args.device])
     seconds = time.perf_counter() - t0
     store = kg / "store"
     metrics = json.loads((store / "config.json").read_text(encoding="utf-8")).get("training", {})
     report: dict[str, Any] = {"exit_code": code, "config": config, "seconds": round(seconds, 1)}
+    report["phases"] = phases
     report["training"] = {k: v for k, v in metrics.items() if k != "config"}
     if torch.cuda.is_available():
         report["gpu_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         report["gpu_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
         report["gpu"] = torch.cuda.get_device_name()
     return report
+
+
+@contextlib.contextmanager
+def _timed_phases(phases: dict[str, dict[str, float]]) -> Iterator[None]:
+    """Time the steps of ``rapiddiff kg train`` run in this process (wrapping its functions): wall
+    seconds, the process's resident memory after the step and its peak so far, and the GPU's peak
+    allocation during the step. Each step is printed as it ends, so a run cut off by a time limit
+    still shows the steps it finished."""
+    import torch
+
+    from rapiddiff.kg import transe
+    from rapiddiff.kg.store import KnowledgeStore
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            if cuda:
+                torch.cuda.synchronize()
+            phase = {"seconds": round(time.perf_counter() - t0, 1), "rss_gb": round(_current_rss_gb(), 2)}
+            phase["peak_rss_gb"] = round(_rss_gb(), 2)
+            if cuda:
+                phase["gpu_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                phase["gpu_peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            phases[name] = phase
+            print(f"[kg_scale] {name}: {json.dumps(phase)}", flush=True)
+            return result
+
+        return wrapper
+
+    targets = [
+        (transe, "_load_data", "load: read + distinct + TriplesFactory + split"),
+        (transe, "_train_loop", "train"),
+        (transe, "_filtered_evaluation", "evaluate (filtered, sampled)"),
+        (transe, "_to_store", "to_store"),
+        (KnowledgeStore, "save", "save"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in targets]
+    for owner, attr, name in targets:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def _current_rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 def store_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,9 +244,13 @@ def store_step(args: argparse.Namespace) -> dict[str, Any]:
         triples = store.triples
         report["triples"] = len(triples)
         report["triples_read_seconds"] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()
+        keys = triples[:, 0] * len(store.relation_names) + triples[:, 1]
+        report["triples_grouped_by_head_relation"] = bool((keys[1:] >= keys[:-1]).all())
+        del keys
+        t0, c0 = time.perf_counter(), time.process_time()
         table = relation_table(triples, len(store), 8)
         report["relation_table_seconds"] = round(time.perf_counter() - t0, 2)
+        report["relation_table_cpu_seconds"] = round(time.process_time() - c0, 2)
         report["relation_table_shape"] = list(table.shape)
     return report
 
@@ -242,38 +308,84 @@ def _unique_relation_table(triples: Any, num_entities: int, max_relations: int) 
 
 
 def reltable_step(args: argparse.Namespace) -> dict[str, Any]:
-    """Fusion's relation table on random (head, relation) pairs, CPU seconds of this process:
-    the previous build and ``relation_table`` on the same pairs, shuffled and in store order."""
+    """Fusion's relation table on random triples, CPU seconds of this process: the previous build
+    and ``relation_table`` on the triples shuffled, then ``group_triples`` (the sort a
+    KnowledgeStore's save now does) and the table on its output, as every saved store gives it.
+    With ``--from-store DIR`` the triples also go through ``KnowledgeStore.save`` and ``load``."""
     import numpy as np
     import torch
 
+    from rapiddiff.kg.triples import group_triples
     from rapiddiff.models.fusion import relation_table
 
     rng = np.random.default_rng(args.seed)
-    pairs = np.empty((args.pairs, 2), dtype=np.int64)
-    pairs[:, 0] = rng.integers(0, args.entities, args.pairs)
-    pairs[:, 1] = rng.integers(0, args.relations, args.pairs)
-    triples = torch.from_numpy(pairs)  # [T, 2]: the table reads heads and relations only
+    triples = np.empty((args.pairs, 3), dtype=np.int64)
+    triples[:, 0] = rng.integers(0, args.entities, args.pairs)
+    triples[:, 1] = rng.integers(0, args.relations, args.pairs)
+    triples[:, 2] = rng.integers(0, args.entities, args.pairs)
+    shuffled = torch.from_numpy(triples)
     report: dict[str, Any] = {"pairs": args.pairs, "entities": args.entities, "relations": args.relations}
     t0 = time.process_time()
-    new = relation_table(triples, args.entities, 8)
+    new = relation_table(shuffled, args.entities, 8)
     report["cpu_seconds_new_shuffled"] = round(time.process_time() - t0, 2)
     if not args.skip_old:
         t0 = time.process_time()
-        old = _unique_relation_table(triples, args.entities, 8)
+        old = _unique_relation_table(shuffled, args.entities, 8)
         report["cpu_seconds_old_unique"] = round(time.process_time() - t0, 2)
         report["identical"] = bool(torch.equal(new, old))
         del old
-    keys = pairs[:, 0] * args.relations + pairs[:, 1]  # a store written by head, then relation
-    keys.sort()
-    pairs[:, 0], pairs[:, 1] = keys // args.relations, keys % args.relations
-    del keys
+    if args.from_store:
+        report.update(_reltable_through_store(args, shuffled, new))
     t0 = time.process_time()
-    again = relation_table(triples, args.entities, 8)
+    grouped = group_triples(triples, args.entities, args.relations)  # what KnowledgeStore.save writes
+    report["cpu_seconds_group_triples"] = round(time.process_time() - t0, 2)
+    report["distinct_triples"] = len(grouped)
+    del triples, shuffled
+    t0 = time.process_time()
+    again = relation_table(torch.from_numpy(grouped), args.entities, 8)
     report["cpu_seconds_new_store_order"] = round(time.process_time() - t0, 2)
     report["identical_store_order"] = bool(torch.equal(new, again))
     report["heads_with_relations"] = int((new[:, 0] >= 0).sum())
     return report
+
+
+def _reltable_through_store(args: argparse.Namespace, shuffled: Any, expected: Any) -> dict[str, Any]:
+    """Save a store of the shuffled triples (names e00000000..., dim 1), load it, build the table."""
+    import shutil
+
+    import torch
+
+    from rapiddiff.kg.store import KnowledgeStore
+    from rapiddiff.models.fusion import relation_table
+
+    folder = Path(args.from_store)
+    store = KnowledgeStore.from_arrays(
+        [f"e{i:08d}" for i in range(args.entities)],
+        [f"r{i:03d}" for i in range(args.relations)],
+        torch.zeros(args.entities, 1),
+        torch.zeros(args.relations, 1),
+        triples=shuffled.clone(),
+    )
+    t0, c0 = time.perf_counter(), time.process_time()
+    store.save(folder)
+    out = {"store_save_seconds": round(time.perf_counter() - t0, 1)}
+    out["store_save_cpu_seconds"] = round(time.process_time() - c0, 1)
+    del store
+    t0 = time.perf_counter()
+    loaded = KnowledgeStore.load(folder)
+    triples = loaded.triples
+    out["store_load_and_read_triples_seconds"] = round(time.perf_counter() - t0, 1)
+    keys = triples[:, 0] * args.relations + triples[:, 1]
+    out["store_triples_grouped"] = bool((keys[1:] >= keys[:-1]).all())
+    del keys
+    t0 = time.process_time()
+    table = relation_table(triples, args.entities, 8)
+    out["cpu_seconds_new_from_saved_store"] = round(time.process_time() - t0, 2)
+    out["identical_from_saved_store"] = bool(torch.equal(table, expected))
+    del loaded, triples, table
+    if not args.keep_store:
+        shutil.rmtree(folder)
+    return out
 
 
 def _rss_gb() -> float:
@@ -314,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--relations", type=int, default=200)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--skip-old", action="store_true", help="time only the new build")
+    r.add_argument("--from-store", type=Path, help="also save the triples as a store here, load it, build")
+    r.add_argument("--keep-store", action="store_true", help="keep the --from-store folder")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()

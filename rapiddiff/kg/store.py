@@ -6,7 +6,9 @@ Folder layout (the contract of DESIGN.md / COMMON.md)::
     relations.tsv                      id<TAB>name, a header line first
     entity_embeddings.safetensors      "embeddings": float32 [n_entities, dim]
     relation_embeddings.safetensors    "embeddings": float32 [n_relations, dim]
-    triples.tsv                        head<TAB>relation<TAB>tail NAMES (readable by read_triples)
+    triples.tsv                        head<TAB>relation<TAB>tail NAMES (readable by read_triples),
+                                       distinct, in (head, relation, tail) id order since
+                                       2026-11-23 (earlier stores: any order; both read alike)
     config.json                        dim, model, counts, training config and held-out metrics
 
 Loading never unpickles: text, JSON and safetensors only. The vector files are memory-mapped
@@ -23,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.triples import _check_field, write_triples_array
+from rapiddiff.kg.triples import _check_field, group_triples, write_triples_array
 from rapiddiff.utils.io import atomic_open, atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -146,7 +148,11 @@ class KnowledgeStore:
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> Path:
-        """Write the store folder (each file atomically); returns the folder path."""
+        """Write the store folder (each file atomically); returns the folder path.
+
+        The facts are written distinct and sorted by (head, relation, tail) id, and the store in
+        memory takes that order too (``triples`` afterwards equals a reload's).
+        """
         import numpy as np
 
         path = Path(path)
@@ -169,9 +175,18 @@ class KnowledgeStore:
         meta = {"format": "rapiddiff.KnowledgeStore"}
         save_safetensors({_KEY: self.entity_vectors}, path / ENTITY_EMBEDDINGS, metadata=meta)
         save_safetensors({_KEY: self.relation_vectors}, path / RELATION_EMBEDDINGS, metadata=meta)
+        # Grouped by (head, relation) and distinct on disk, so every reader of the store gets its
+        # facts in order (fusion's relation table then skips its sort); the store in memory takes
+        # the same order, so it equals what load() reads back.
+        import torch
+
+        triples = self.triples.numpy()
+        grouped = group_triples(triples, len(self), len(self.relation_names))
+        if grouped is not triples:
+            self._triples, self._facts = torch.from_numpy(grouped), None
         write_triples_array(
             path / TRIPLES,
-            self.triples.numpy(),
+            grouped,
             self.entity_names,
             self.relation_names,
             header="head\trelation\ttail",

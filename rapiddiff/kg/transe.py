@@ -10,6 +10,7 @@ facts, and its vectors are those the model learned on the training part.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -183,10 +184,10 @@ def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None
 
     # Ids straight from the file (pyarrow + numpy): the same ids as pykeen's from_labeled_triples,
     # without a Python tuple or a numpy string per triple.
-    ids, entity_names, relation_names = read_triples_array(cfg.triples)
+    # Sorted as pykeen's from_labeled_triples sorts them (np.unique), so splits match it.
+    ids, entity_names, relation_names = read_triples_array(cfg.triples, sort=True)
     full = TriplesFactory(
-        # sorted as pykeen's from_labeled_triples sorts them (np.unique), so splits match it
-        mapped_triples=_sorted_unique(torch.from_numpy(ids), len(entity_names), len(relation_names)),
+        mapped_triples=torch.from_numpy(ids),
         entity_to_id={name: i for i, name in enumerate(entity_names)},
         relation_to_id={name: i for i, name in enumerate(relation_names)},
         create_inverse_triples=cfg.create_inverse_triples,
@@ -195,9 +196,56 @@ def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None
     if cfg.aliases is not None:
         aliases = read_aliases(cfg.aliases, entities=full.entity_to_id)
     train_ratio, val_ratio, test_ratio = cfg.split
-    training, validation, testing = full.split([train_ratio, val_ratio, test_ratio], random_state=cfg.seed)
+    training, validation, testing = coverage_split(full, [train_ratio, val_ratio, test_ratio], cfg.seed)
     dataset = EagerDataset(training=training, testing=testing, validation=validation)
     return dataset, full, aliases
+
+
+def coverage_split(factory: Any, ratios: list[float], seed: int) -> list[Any]:
+    """``factory.split(ratios, random_state=seed)`` (pykeen's default coverage splitter), vectorised.
+
+    The same parts, triple for triple (a test compares them): one triple per relation, then per
+    head and per tail entity not yet covered, each the first such triple in row order, goes to
+    training; the rest is split by the same ``randperm``. pykeen finds that cover with pandas
+    group-bys and Python sets of row numbers (a 140 M-row frame copied per step: minutes and
+    tens of GB at OpenKG's size); here each first row is one ``scatter_reduce`` over a column.
+    """
+    import torch
+    from pykeen.triples.splitting import get_absolute_split_sizes, normalize_ratios
+    from pykeen.utils import ensure_torch_random_state
+
+    mapped = factory.mapped_triples
+    n = len(mapped)
+    sizes = get_absolute_split_sizes(n_total=n, ratios=normalize_ratios(ratios))
+    rows = torch.arange(n)
+
+    def first_rows(column: int, size: int, rows: Any) -> Any:  # first row of each id (n: none)
+        return torch.full((size,), n).scatter_reduce_(0, mapped[:, column], rows, reduce="amin")
+
+    seed_mask = torch.zeros(n, dtype=torch.bool)
+    first = first_rows(1, factory.num_relations, rows)
+    seed_mask[first[first < n]] = True
+    for column in (0, 2):
+        covered = torch.zeros(factory.num_entities, dtype=torch.bool)
+        chosen = mapped[seed_mask]
+        covered[chosen[:, 0]] = True
+        covered[chosen[:, 2]] = True
+        first = first_rows(column, factory.num_entities, rows)
+        seed_mask[first[(first < n) & ~covered]] = True
+    del rows, first
+    train_seed, remaining = mapped[seed_mask], mapped[~seed_mask]
+    if len(train_seed) > sizes[0]:
+        raise ValueError(f"could not cover every entity and relation with {sizes[0]} training triples")
+    sizes = [sizes[0] - len(train_seed), *sizes[1:]]
+    permutation = torch.randperm(len(remaining), generator=ensure_torch_random_state(seed))
+    # index_select: the same rows as pykeen's remaining[part], 3x faster than advanced indexing
+    train, *rest = (remaining.index_select(0, part) for part in permutation.split(sizes))
+    parts = [torch.cat([train_seed, train]), *rest]
+    # as pykeen's split: inverse triples (if any) only for training
+    return [
+        factory.clone_and_exchange_triples(mapped_triples=t, create_inverse_triples=None if i == 0 else False)
+        for i, t in enumerate(parts)
+    ]
 
 
 def _metrics(metric_results: Any) -> dict[str, float]:
@@ -416,22 +464,46 @@ def _filtered_evaluation(cfg: TransEConfig, model: Any, dataset: Any, mapped: An
 
     Called instead of the pipeline's own filtered evaluation when the test triples are sampled:
     pykeen's pipeline hashes every filter triple through Python lists (``triple_hash``), which
-    for 100 M triples takes longer than the training.
+    for 100 M triples takes longer than the training. The filter triples are made distinct here,
+    on the model's device, through one int64 key per triple (a radix sort of 140 M keys), and
+    handed to pykeen's evaluator as they are: its own ``prepare_filter_triples`` would take the
+    same set with ``unique(dim=0)``, a row-comparing sort whose time and memory at this size are
+    unknown (the one attempt, 2026-11-22, reached 78 GB of GPU memory in its first 9 s).
     """
+    from unittest import mock
+
+    import pykeen.evaluation.evaluator as pykeen_evaluator
     import torch
     from pykeen.evaluation import RankBasedEvaluator
 
     parts = [dataset.training, dataset.validation, dataset.testing]
-    # On the model's device: pykeen deduplicates the filter triples with unique(dim=0), slow on a CPU.
-    known = torch.cat([p.mapped_triples for p in parts if p is not None]).to(model.device)
+    known = torch.cat([p.mapped_triples for p in parts if p is not None] + [mapped.cpu()]).to(model.device)
+    n_entities, n_relations = dataset.training.num_entities, dataset.training.num_relations
+    patch: Any = None
+    if n_entities * n_entities * n_relations < 2**63 and hasattr(pykeen_evaluator, "prepare_filter_triples"):
+        keys = torch.unique((known[:, 0] * n_relations + known[:, 1]) * n_entities + known[:, 2])
+        del known
+        heads, rest = (
+            keys.div(n_relations * n_entities, rounding_mode="floor"),
+            keys % (n_relations * n_entities),
+        )
+        del keys
+        known = torch.stack([heads, rest.div(n_entities, rounding_mode="floor"), rest % n_entities], dim=1)
+        del heads, rest
+
+        def prepare(*args: Any, **kwargs: Any) -> Any:  # every evaluation triple is in ``known``
+            return known
+
+        patch = mock.patch.object(pykeen_evaluator, "prepare_filter_triples", prepare)
     evaluator = RankBasedEvaluator(filtered=True)
-    return evaluator.evaluate(
-        model,
-        mapped.to(model.device),
-        additional_filter_triples=[known],
-        batch_size=cfg.eval_batch_size,
-        use_tqdm=cfg.progress,
-    )
+    with patch if patch is not None else contextlib.nullcontext():
+        return evaluator.evaluate(
+            model,
+            mapped.to(model.device),
+            additional_filter_triples=[known],
+            batch_size=cfg.eval_batch_size,
+            use_tqdm=cfg.progress,
+        )
 
 
 def _loss_kwargs(cfg: TransEConfig) -> dict[str, Any] | None:
@@ -529,16 +601,18 @@ def _to_store(model: Any, dataset: Any, full: Any, aliases: dict[str, list[str]]
 
 
 def _sorted_unique(triples: Any, n_entities: int, n_relations: int) -> Any:
-    """``torch.unique(triples, dim=0)`` through one int64 key: seconds, not minutes, for 100 M rows."""
+    """``torch.unique(triples, dim=0)`` through one int64 key: seconds, not minutes, for 100 M rows.
+
+    Rows already sorted and distinct (the full graph's, read by :func:`_load_data`) cost one
+    linear check, not a second sort.
+    """
     import numpy as np
     import torch
 
+    from rapiddiff.kg.triples import group_triples
+
     array = triples.cpu().numpy().astype(np.int64, copy=False)
-    if n_entities * n_entities * max(n_relations, 1) >= 2**63:
-        return torch.unique(triples.cpu(), dim=0)
-    keys = np.unique((array[:, 0] * n_relations + array[:, 1]) * n_entities + array[:, 2])
-    heads, rest = np.divmod(keys, n_relations * n_entities)
-    return torch.from_numpy(np.stack([heads, *np.divmod(rest, n_entities)], axis=1))
+    return torch.from_numpy(group_triples(array, n_entities, n_relations))
 
 
 def _names(label_to_id: dict[str, int]) -> list[str]:

@@ -142,3 +142,66 @@ def test_name_index_is_saved_memory_mapped_and_rebuilt_when_missing(tmp_path: Pa
     (folder / NAME_INDEX_IDS).unlink()
     rebuilt = KnowledgeStore.load(folder)
     assert [rebuilt.id_of(n) for n in ("番茄", "西红柿", "香蕉", "abc公司", "ａｂｃ")] == [0, 0, 3, 4, 4]
+
+
+def _shuffled_kg(seed: int = 0) -> tuple[list[str], list[str], torch.Tensor]:
+    """Names in no sorted order and triples in random order, with repeats: a store as a user builds it."""
+    gen = torch.Generator().manual_seed(seed)
+    names = [f"实体{i}" for i in torch.randperm(60, generator=gen).tolist()]
+    relations = [f"关系{i}" for i in (3, 0, 6, 1, 5, 2, 4)]
+    triples = torch.stack(
+        [torch.randint(0, 60, (700,), generator=gen), torch.randint(0, 7, (700,), generator=gen),
+         torch.randint(0, 60, (700,), generator=gen)],
+        dim=1,
+    )  # fmt: skip
+    return names, relations, triples
+
+
+def test_save_writes_triples_grouped_by_head_and_relation(tmp_path: Path) -> None:
+    """A store saved from shuffled triples has them distinct and in (head, relation, tail) order
+    on disk; it reads back the same, and fusion's relation table equals the shuffled input's."""
+    from rapiddiff.models.fusion import relation_table
+
+    names, relations, triples = _shuffled_kg()
+    assert not bool((triples[1:, 0] >= triples[:-1, 0]).all())  # the input is not grouped
+    store = KnowledgeStore.from_arrays(
+        names, relations, torch.randn(60, 4), torch.randn(7, 4), triples=triples
+    )
+    folder = store.save(tmp_path / "kg")
+    lines = (folder / "triples.tsv").read_text(encoding="utf-8").splitlines()
+    ent, rel = {n: i for i, n in enumerate(names)}, {n: i for i, n in enumerate(relations)}
+    on_disk = [(ent[h], rel[r], ent[t]) for h, r, t in (line.split("\t") for line in lines[1:])]
+    assert on_disk == sorted(set(map(tuple, triples.tolist())))  # grouped, distinct, nothing lost
+    loaded = KnowledgeStore.load(folder)
+    assert loaded.triples.tolist() == [list(t) for t in on_disk]
+    assert torch.equal(store.triples, loaded.triples)  # the saved store took the written order
+    assert loaded.config["n_triples"] == len(on_disk)
+    expected = relation_table(triples, 60, 3)
+    assert torch.equal(relation_table(loaded.triples, 60, 3), expected)
+    assert (expected >= 0).sum() > 60  # heads with several relations, some capped at 3
+    for head in (0, 17, 59):
+        assert sorted(loaded.facts(head)) == sorted({(r, t) for h, r, t in triples.tolist() if h == head})
+
+
+def test_store_written_before_with_unsorted_triples_reads_the_same(tmp_path: Path) -> None:
+    """Stores saved before the grouping (triples in any order, repeats) still load correctly."""
+    from rapiddiff.kg.triples import write_triples_array
+    from rapiddiff.models.fusion import relation_table
+
+    names, relations, triples = _shuffled_kg(1)
+    store = KnowledgeStore.from_arrays(
+        names, relations, torch.randn(60, 4), torch.randn(7, 4), triples=triples
+    )
+    folder = store.save(tmp_path / "kg")
+    # as the earlier save wrote it: the ids in the given order, repeats included
+    write_triples_array(
+        folder / "triples.tsv", triples.numpy(), names, relations, header="head\trelation\ttail"
+    )
+    loaded = KnowledgeStore.load(folder)
+    first = list(dict.fromkeys(map(tuple, triples.tolist())))  # file order, first occurrences
+    assert loaded.triples.tolist() == [list(t) for t in first]
+    assert torch.equal(relation_table(loaded.triples, 60, 8), relation_table(triples, 60, 8))
+    assert sorted(loaded.facts(5)) == sorted({(r, t) for h, r, t in first if h == 5})
+    # saving it again writes it grouped
+    again = KnowledgeStore.load(loaded.save(tmp_path / "kg2"))
+    assert again.triples.tolist() == sorted(list(t) for t in first)

@@ -107,6 +107,10 @@ def test_read_triples_array_fast_and_small_paths_agree(tmp_path, monkeypatch) ->
         ]
         assert sorted(ids.tolist()) == factory.mapped_triples.tolist()  # pykeen sorts them
         assert entities == list(factory.entity_to_id) and relations == list(factory.relation_to_id)
+    for reader_small in (True, False):  # sort=True: the same triples, sorted (pykeen's order)
+        monkeypatch.setattr(T, "_SMALL_FILE", 16 << 20 if reader_small else 0)
+        ids, entities, relations = T.read_triples_array(path, sort=True)
+        assert ids.tolist() == factory.mapped_triples.tolist() and entities == large[1]
     out = tmp_path / "out.tsv"
     T.write_triples_array(out, large[0], large[1], large[2], header="x", chunk=2)
     assert T.read_triples(out) == exact
@@ -117,3 +121,21 @@ def test_read_triples_array_fast_and_small_paths_agree(tmp_path, monkeypatch) ->
         path.write_bytes(bad)
         with pytest.raises(T.KGFormatError, match=message):
             T.read_triples_array(path)
+
+
+def test_group_triples_sorts_drops_duplicates_and_keeps_sorted_input() -> None:
+    import numpy as np
+
+    from rapiddiff.kg.triples import group_triples
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.integers(0, 30, 500), rng.integers(0, 4, 500), rng.integers(0, 30, 500)], axis=1)
+    grouped = group_triples(ids, 30, 4)
+    assert grouped.tolist() == np.unique(ids, axis=0).tolist()  # lexicographic, distinct
+    assert group_triples(grouped, 30, 4) is grouped  # already in order: one check, no copy
+    # ids too large for one int64 key: the lexicographic row sort gives the same order
+    big = ids * np.array([10**9, 1, 10**9])
+    assert group_triples(big, 3 * 10**10, 4).tolist() == np.unique(big, axis=0).tolist()
+    assert group_triples(ids[:1], 30, 4).tolist() == ids[:1].tolist()
+    with pytest.raises(ValueError, match=r"\[T, 3\]"):
+        group_triples(ids[:, :2], 30, 4)
