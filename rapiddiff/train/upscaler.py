@@ -110,7 +110,11 @@ class UpscalerTraining(RapidModule):
         network: architecture and size (used when ``pretrained`` is None).
         pretrained: weights file spandrel loads (ESRGAN, Real-ESRGAN x4plus or compact, or an
             ``upscaler/`` folder) to fine-tune; its architecture and size come from the file.
-        gan: the PatchGAN term (weight 0 = L1 only).
+        gan: the PatchGAN term (weight 0 = the pixel loss only).
+        pixel_loss: ``l1`` (ESRGAN's PSNR stage) or ``mse``. On mostly flat images L1 pulls the
+            residual to its median, zero (every flat pixel's gradient counts as much as an edge's),
+            so a small net can sit at its skip for hundreds of steps; MSE weighs the edges' larger
+            errors more (and is what PSNR measures).
         optim: AdamW and its learning-rate schedule.
         num_samples: validation pairs shown (bicubic | network | ground truth) in the grid.
         seed: seed (reseeded every batch).
@@ -124,6 +128,7 @@ class UpscalerTraining(RapidModule):
         optim: OptimConfig = _OPTIM,
         num_samples: int = 4,
         seed: int = 0,
+        pixel_loss: Literal["l1", "mse"] = "l1",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -139,6 +144,10 @@ class UpscalerTraining(RapidModule):
         self.net.requires_grad_(True).train()
         self.scale = int(getattr(self.net, "scale", network.scale))
         self.gan_cfg, self.optim_cfg, self.num_samples, self.seed = gan, optim, num_samples, seed
+        losses = {"l1": F.l1_loss, "mse": F.mse_loss}
+        if pixel_loss not in losses:
+            raise ValueError(f"model.pixel_loss={pixel_loss!r}; valid: {', '.join(losses)}")
+        self.pixel_loss = losses[pixel_loss]
         self.critic = PatchDiscriminator(3, gan.channels, gan.layers) if gan.weight > 0 else None
         self._grid: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -153,7 +162,7 @@ class UpscalerTraining(RapidModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         low, high = batch["lr"], batch["hr"]  # (B, 3, h, w), (B, 3, h·s, w·s) in [0, 1]
         upscaled = self.net(low)
-        loss = F.l1_loss(upscaled.float(), high.float())
+        loss = self.pixel_loss(upscaled.float(), high.float())
         if self.critic is not None and self.global_step >= self.gan_cfg.start_step:
             generator_term, critic_loss = adversarial_losses(self.critic, high.float(), upscaled.float())
             self.log("train/critic", critic_loss)

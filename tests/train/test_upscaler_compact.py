@@ -137,3 +137,23 @@ def test_unknown_arch_names_the_valid_ones(tmp_path: Path, capsys: pytest.Captur
         )
     err = capsys.readouterr().err
     assert "esrgan" in err and "rrdb" in err and "compact" in err, err
+
+
+def test_pixel_loss_is_l1_or_mse(tmp_path: Path) -> None:
+    from rapiddiff.train.data import PairedImageDataset
+
+    lr_dir, hr_dir = write_pairs(tmp_path / "pairs", n=2)
+    pairs = PairedImageDataset(lr_dir, hr_dir, flips=False)
+    batch = {
+        "lr": torch.stack([pairs[i]["lr"] for i in range(2)]),
+        "hr": torch.stack([pairs[i]["hr"] for i in range(2)]),
+    }
+    network = upscaler_stage.NetworkConfig(arch="compact", num_feat=4, num_conv=1)
+    for name, fn in (("l1", torch.nn.functional.l1_loss), ("mse", torch.nn.functional.mse_loss)):
+        torch.manual_seed(0)
+        module = upscaler_stage.UpscalerTraining(network, pixel_loss=name)  # type: ignore[arg-type]
+        with torch.no_grad():
+            expected = fn(module.net(batch["lr"]), batch["hr"])
+            torch.testing.assert_close(module.training_step(batch, 0), expected)
+    with pytest.raises(ValueError, match=r"model.pixel_loss='l2'; valid: l1, mse"):
+        upscaler_stage.UpscalerTraining(network, pixel_loss="l2")  # type: ignore[arg-type]
