@@ -264,7 +264,7 @@ def _recorded_base(file: Path) -> str | None:
 
 
 def _as_compact_net(module: nn.Module, base: str) -> nn.Module:
-    """spandrel's loaded ``Compact`` as our CompactNet with ``base`` (same weights, shared)."""
+    """spandrel's loaded ``Compact`` as our CompactNet with ``base`` (the same weights, copied)."""
     from rapiddiff.models.upscaler_compact import CompactNet
 
     net = CompactNet(
