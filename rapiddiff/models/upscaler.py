@@ -7,8 +7,13 @@ exactly what spandrel (and chaiNNer, ComfyUI, ...) loads back:
   ("old-arch") key names (``model.0.weight``, ``model.1.sub.0.RDB1.conv1.0.weight``, ...).
 * :func:`build_compact` — Real-ESRGAN's ``SRVGGNetCompact`` (spandrel's ``Compact``; keys
   ``body.0.weight``, ``body.1.weight``, ...): a plain stack of 3×3 convs at input resolution and one
-  pixel shuffle, whose output is *added to a nearest-upsampled copy of the input*. It starts near
-  nearest-neighbour and learns only the residual, is a fraction of RRDB's size and fast on CPU.
+  pixel shuffle, whose output is *added to an upsampled copy of the input* — nearest-neighbour
+  (Real-ESRGAN's, the default) or bicubic (``base="bicubic"``, :class:`~rapiddiff.models.upscaler_compact.CompactNet`):
+  it learns only the residual over that copy, is a fraction of RRDB's size and fast on CPU.
+  The base is recorded in the file's safetensors metadata (``"base"``); a file without it (every
+  published Real-ESRGAN compact file, and ours from before the switch) loads nearest-based, exactly
+  as spandrel runs it. A bicubic-based file loads in any spandrel tool, but only rapiddiff reads
+  its base: elsewhere it runs nearest-based, which is not what it was trained for.
 
 :func:`build_upscaler` picks one by name. :func:`load_upscaler` reads our files as well as
 published ESRGAN, BasicSR and Real-ESRGAN (``{"params_ema": ...}``, e.g. ``realesr-general-x4v3``)
@@ -41,6 +46,8 @@ UPSCALER_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 UPSCALER_FILENAME = "upscaler.safetensors"
 # What build_upscaler / the training config accept.
 ARCHITECTURES = ("rrdb", "compact")
+# The compact net's upsampled copy of its input (rapiddiff.models.upscaler_compact.BASES).
+COMPACT_BASES = ("nearest", "bicubic")
 
 
 def build_rrdb(
@@ -80,22 +87,30 @@ def build_compact(
     scale: int = 4,
     in_channels: int = 3,
     out_channels: int = 3,
+    base: str = "nearest",
 ) -> nn.Module:
     """Real-ESRGAN's SRVGGNetCompact (spandrel's ``Compact``): ``num_conv`` 3×3 convs of width ``num_feat``.
 
     The defaults are ``realesr-animevideov3``'s (64 features, 16 convs; ``realesr-general-x4v3``
     uses 32 convs). Activations are PReLU, the only kind spandrel loads back (it rebuilds the net
     from the weights alone, and ReLU / LeakyReLU leave no weights to tell them apart).
-    The returned module has a ``scale`` attribute, like the loaded ones.
+    The returned module has ``scale`` and ``base`` attributes, like the loaded ones.
+
+    ``base`` is the upsampled copy of the input the conv stack's output is added to: ``nearest``
+    (Real-ESRGAN's; what spandrel's own class computes) or ``bicubic`` (the stack learns only what
+    bicubic misses — on kshapes, where bicubic is already strong, a short run gains over it instead
+    of first catching up with it).
 
     Initialisation (for training from scratch; a loaded file replaces it): PyTorch's default
     conv init shrinks the signal about 10× through the first layers of this plain conv stack, so the
-    body starts nearly constant and learns slowly; He init for PReLU keeps it alive. The last conv
-    is scaled by 0.1 so the network starts close to its nearest-neighbour skip (ESRGAN scales
-    its residual blocks' init the same way).
+    body starts nearly constant and learns slowly; He init for PReLU keeps it alive. With the nearest
+    base the last conv is scaled by 0.1 so the network starts close to its skip (ESRGAN scales its
+    residual blocks' init the same way); with the bicubic base it is zeroed, so step 0 *is* bicubic.
     """
-    from spandrel.architectures.Compact import Compact
+    from rapiddiff.models.upscaler_compact import CompactNet
 
+    if base not in COMPACT_BASES:
+        raise ValueError(f"base={base!r}: the compact upscaler's base is one of {', '.join(COMPACT_BASES)}")
     if num_feat < 1 or num_conv < 1:
         raise ValueError(f"num_feat={num_feat}, num_conv={num_conv}: both must be ≥ 1")
     if scale < 1:
@@ -107,11 +122,15 @@ def build_compact(
             f"in_channels={in_channels}, out_channels={out_channels}: the compact net must keep "
             "the channel count for spandrel to load it back"
         )
-    net = Compact(
-        num_in_ch=in_channels, num_out_ch=out_channels, num_feat=num_feat, num_conv=num_conv, upscale=scale
+    net = CompactNet(
+        num_in_ch=in_channels,
+        num_out_ch=out_channels,
+        num_feat=num_feat,
+        num_conv=num_conv,
+        upscale=scale,
+        base=base,
     )
-    net.scale = scale  # spandrel's class calls it ``upscale``; rapiddiff code reads ``scale``
-    _init_compact(net)
+    _init_compact(net, last_scale=0.0 if base == "bicubic" else 0.1)
     return net
 
 
@@ -158,6 +177,9 @@ def save_upscaler(module: nn.Module, path: str | Path) -> Path:
         )
     scale = getattr(module, "scale", None)
     metadata = {"format": "pt", "architecture": detected[0], "scale": str(scale)}
+    base = getattr(module, "base", None)
+    if base is not None:  # the compact net's skip; a file without it is nearest-based
+        metadata["base"] = str(base)
     save_safetensors(state, path, metadata=metadata)
     return path
 
@@ -191,11 +213,14 @@ def load_upscaler(path: str | Path, device: str | torch.device = "cpu") -> nn.Mo
     Accepts safetensors and weights-only ``.pth`` files with old-arch ESRGAN keys, new BasicSR
     keys, or Real-ESRGAN's ``{"params_ema": ...}`` / ``{"params": ...}`` wrapping. A pickle that
     needs arbitrary code raises :class:`rapiddiff.utils.io.UnsafeCheckpointError`.
-    The returned module has a ``scale`` attribute (its upscaling factor).
+    The returned module has a ``scale`` attribute (its upscaling factor). A compact net comes back
+    as :class:`~rapiddiff.models.upscaler_compact.CompactNet` with the ``base`` its safetensors
+    metadata records (``nearest`` when none does: published files and ours from before the switch).
     """
     from spandrel import ModelLoader, UnsupportedModelError
 
     file = find_upscaler_file(path)
+    base = _recorded_base(file)
     state = load_weights(file)
     state = _unwrap(state, file)
     try:
@@ -207,10 +232,51 @@ def load_upscaler(path: str | Path, device: str | torch.device = "cpu") -> nn.Mo
     except Exception as err:
         raise ValueError(f"{file}: could not build the upscaler from its weights ({err})") from err
     module = descriptor.model
+    if descriptor.architecture.id == "Compact":
+        module = _as_compact_net(module, base or "nearest")
+    elif base is not None:
+        raise ValueError(
+            f"{file}: metadata 'base'={base!r} is a compact-net setting, but the weights are "
+            f"{descriptor.architecture.name}; remove the key or use a compact file"
+        )
     if not hasattr(module, "scale"):
         module.scale = descriptor.scale
     module.eval().requires_grad_(False)
     return module.to(device)
+
+
+def _recorded_base(file: Path) -> str | None:
+    """The compact net's base recorded in a safetensors file's metadata (None: not recorded)."""
+    if file.suffix != ".safetensors":
+        return None  # torch pickles carry no metadata: published Real-ESRGAN .pth files are nearest
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            base = (handle.metadata() or {}).get("base")
+    except Exception:
+        return None  # load_weights reports the broken file with its own message
+    if base is not None and base not in COMPACT_BASES:
+        raise ValueError(
+            f"{file}: metadata 'base'={base!r} is not a compact-net base; valid: {', '.join(COMPACT_BASES)}"
+        )
+    return base
+
+
+def _as_compact_net(module: nn.Module, base: str) -> nn.Module:
+    """spandrel's loaded ``Compact`` as our CompactNet with ``base`` (the same weights, copied)."""
+    from rapiddiff.models.upscaler_compact import CompactNet
+
+    net = CompactNet(
+        num_in_ch=module.num_in_ch,
+        num_out_ch=module.num_out_ch,
+        num_feat=module.num_feat,
+        num_conv=module.num_conv,
+        upscale=module.upscale,
+        base=base,
+    )
+    net.load_state_dict(module.state_dict())
+    return net
 
 
 def _unwrap(state: dict[str, Any], file: Path) -> dict[str, Any]:

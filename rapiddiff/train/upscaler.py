@@ -4,8 +4,8 @@ L1 first (ESRGAN's PSNR-oriented stage); the PatchGAN term is optional (``gan.we
 usually with ``gan.start_step`` after the L1 stage). ``model.network.arch`` picks the network:
 ``rrdb`` (:func:`rapiddiff.models.upscaler.build_rrdb`, the default: what ESRGAN / Real-ESRGAN
 x4plus checkpoints are) or ``compact`` (:func:`~rapiddiff.models.upscaler.build_compact`,
-SRVGGNetCompact: a global nearest-neighbour skip, so it only learns the residual; small and fast
-on CPU). Either is saved with ``save_upscaler``, so spandrel (and every ESRGAN tool) loads it
+SRVGGNetCompact: a global skip, so it only learns the residual over an upsampled input — nearest
+as Real-ESRGAN, or bicubic with ``model.network.base: bicubic``; small and fast on CPU). Either is saved with ``save_upscaler``, so spandrel (and every ESRGAN tool) loads it
 back; ``model.pretrained`` fine-tunes any file spandrel loads (ESRGAN, Real-ESRGAN, compact).
 Validation logs ``val/psnr`` and ``val/psnr_bicubic`` (and their difference ``val/psnr_gain``).
 
@@ -40,11 +40,11 @@ log = get_logger(__name__)
 # to one architecture only. Rule: an option of the other architecture is ignored with a warning
 # (so one config can switch ``arch`` without deleting lines); a wrong value type or an unknown
 # ``arch`` is an error.
-_DEFAULTS: dict[str, dict[str, int]] = {
+_DEFAULTS: dict[str, dict[str, int | str]] = {
     "rrdb": {"num_feat": 32, "num_blocks": 6},
-    "compact": {"num_feat": 64, "num_conv": 16},
+    "compact": {"num_feat": 64, "num_conv": 16, "base": "nearest"},
 }
-_ONLY: dict[str, str] = {"num_blocks": "rrdb", "num_conv": "compact"}
+_ONLY: dict[str, str] = {"num_blocks": "rrdb", "num_conv": "compact", "base": "compact"}
 
 
 @dataclass(frozen=True)
@@ -53,28 +53,34 @@ class NetworkConfig:
 
     arch: Literal["rrdb", "compact"] = "rrdb"
     """``rrdb``: ESRGAN's RRDBNet (what ESRGAN / Real-ESRGAN x4plus files are). ``compact``: Real-ESRGAN's
-    SRVGGNetCompact — adds a nearest-upsampled input to its output (learns only the residual), small, fast on CPU."""
+    SRVGGNetCompact — adds an upsampled input (``base``) to its output (learns only the residual), small, fast on CPU."""
     num_feat: int | None = None
     """Feature width; None = 32 for rrdb, 64 for compact (ESRGAN and the Real-ESRGAN compact models use 64)."""
     num_blocks: int | None = None
     """rrdb only: RRDB blocks; None = 6 (ESRGAN uses 23). Ignored, with a warning, for compact."""
     num_conv: int | None = None
     """compact only: 3×3 convs in the body; None = 16 (realesr-general-x4v3 uses 32). Ignored, with a warning, for rrdb."""
+    base: Literal["nearest", "bicubic"] | None = None
+    """compact only: the upsampled input the net's output is added to; None = nearest (Real-ESRGAN's).
+    bicubic: the net learns only what bicubic misses and starts exactly at bicubic. Ignored, with a
+    warning, for rrdb; a ``pretrained`` file brings its own (recorded in its metadata)."""
     scale: int = 4
     """Upscaling factor."""
 
     def __post_init__(self) -> None:
-        from rapiddiff.models.upscaler import ARCHITECTURES
+        from rapiddiff.models.upscaler import ARCHITECTURES, COMPACT_BASES
 
         if self.arch not in ARCHITECTURES:
             raise ValueError(
                 f"model.network.arch={self.arch!r} is not an upscaler architecture; valid: {', '.join(ARCHITECTURES)}"
             )
+        if self.base is not None and self.base not in COMPACT_BASES:
+            raise ValueError(f"model.network.base={self.base!r}; valid: {', '.join(COMPACT_BASES)}")
 
-    def build_kwargs(self) -> dict[str, int]:
+    def build_kwargs(self) -> dict[str, int | str]:
         """Arguments for ``build_upscaler(self.arch, ...)``: this arch's options, defaults filled in."""
         kwargs = dict(_DEFAULTS[self.arch], scale=self.scale)
-        for name in ("num_feat", "num_blocks", "num_conv"):
+        for name in ("num_feat", "num_blocks", "num_conv", "base"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -104,7 +110,11 @@ class UpscalerTraining(RapidModule):
         network: architecture and size (used when ``pretrained`` is None).
         pretrained: weights file spandrel loads (ESRGAN, Real-ESRGAN x4plus or compact, or an
             ``upscaler/`` folder) to fine-tune; its architecture and size come from the file.
-        gan: the PatchGAN term (weight 0 = L1 only).
+        gan: the PatchGAN term (weight 0 = the pixel loss only).
+        pixel_loss: ``l1`` (ESRGAN's PSNR stage) or ``mse``. On mostly flat images L1 pulls the
+            residual to its median, zero (every flat pixel's gradient counts as much as an edge's),
+            so a small net can sit at its skip for hundreds of steps; MSE weighs the edges' larger
+            errors more (and is what PSNR measures).
         optim: AdamW and its learning-rate schedule.
         num_samples: validation pairs shown (bicubic | network | ground truth) in the grid.
         seed: seed (reseeded every batch).
@@ -118,6 +128,7 @@ class UpscalerTraining(RapidModule):
         optim: OptimConfig = _OPTIM,
         num_samples: int = 4,
         seed: int = 0,
+        pixel_loss: Literal["l1", "mse"] = "l1",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -133,6 +144,10 @@ class UpscalerTraining(RapidModule):
         self.net.requires_grad_(True).train()
         self.scale = int(getattr(self.net, "scale", network.scale))
         self.gan_cfg, self.optim_cfg, self.num_samples, self.seed = gan, optim, num_samples, seed
+        losses = {"l1": F.l1_loss, "mse": F.mse_loss}
+        if pixel_loss not in losses:
+            raise ValueError(f"model.pixel_loss={pixel_loss!r}; valid: {', '.join(losses)}")
+        self.pixel_loss = losses[pixel_loss]
         self.critic = PatchDiscriminator(3, gan.channels, gan.layers) if gan.weight > 0 else None
         self._grid: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -147,7 +162,7 @@ class UpscalerTraining(RapidModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         low, high = batch["lr"], batch["hr"]  # (B, 3, h, w), (B, 3, h·s, w·s) in [0, 1]
         upscaled = self.net(low)
-        loss = F.l1_loss(upscaled.float(), high.float())
+        loss = self.pixel_loss(upscaled.float(), high.float())
         if self.critic is not None and self.global_step >= self.gan_cfg.start_step:
             generator_term, critic_loss = adversarial_losses(self.critic, high.float(), upscaled.float())
             self.log("train/critic", critic_loss)

@@ -91,3 +91,108 @@ def test_init_keeps_the_conv_stack_alive_and_the_residual_small():
         nearest = torch.nn.functional.interpolate(x, scale_factor=4, mode="nearest")
         residual = net(x) - nearest
     assert 1e-3 < residual.std() < 0.2  # starts near nearest-neighbour, but not exactly on it
+
+
+def _zero_last_conv(net: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        net.body[-1].weight.zero_()
+        net.body[-1].bias.zero_()
+    return net
+
+
+@pytest.mark.parametrize("base", ["nearest", "bicubic"])
+def test_a_zeroed_body_is_exactly_its_base_upsampling(base):
+    x = torch.rand(2, 3, 7, 9, generator=torch.Generator().manual_seed(4))
+    net = _zero_last_conv(build_compact(num_feat=4, num_conv=1, base=base))
+    kwargs = {"align_corners": False} if base == "bicubic" else {}
+    expected = torch.nn.functional.interpolate(x, scale_factor=4, mode=base, **kwargs)
+    torch.testing.assert_close(net(x), expected, rtol=0, atol=0)
+    # ... and the two bases are not the same thing on this image.
+    other = torch.nn.functional.interpolate(x, scale_factor=4, mode="nearest")
+    assert base == "nearest" or (net(x) - other).abs().max() > 0.05
+
+
+def test_bicubic_base_starts_at_bicubic_and_nearest_keeps_its_small_residual():
+    x = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    bicubic = torch.nn.functional.interpolate(x, scale_factor=4, mode="bicubic", align_corners=False)
+    torch.manual_seed(0)
+    net = build_compact(num_feat=8, num_conv=2, base="bicubic")
+    assert net.base == "bicubic"
+    torch.testing.assert_close(net(x), bicubic, rtol=0, atol=0)  # step 0 IS bicubic (last conv zeroed)
+    assert net.body[0].weight.std() > 0  # the rest of the stack is initialised, not zero
+    assert build_compact(num_feat=8, num_conv=2).base == "nearest"  # Real-ESRGAN's, the default
+
+
+def test_bicubic_base_is_recorded_and_loads_back(tmp_path):
+    torch.manual_seed(0)
+    net = build_compact(num_feat=8, num_conv=2, base="bicubic")
+    torch.nn.init.normal_(net.body[-1].weight, std=0.05)  # a trained-looking residual
+    file = save_upscaler(net, tmp_path / "upscaler")
+    with safe_open(str(file), "pt") as f:
+        assert f.metadata()["base"] == "bicubic"
+    loaded = load_upscaler(tmp_path / "upscaler")
+    assert loaded.base == "bicubic"
+    x = torch.rand(1, 3, 10, 6, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(upscale(loaded, x), upscale(net.eval(), x), rtol=0, atol=0)
+    # fp16 (the shipped model's upscaler) keeps the base through save/load too.
+    half = load_upscaler(save_upscaler(loaded.half(), tmp_path / "half.safetensors"))
+    assert half.base == "bicubic"
+
+
+def test_files_without_a_base_load_as_nearest_exactly_as_spandrel_runs_them(tmp_path):
+    # Files written before the switch (and every published Real-ESRGAN compact file) have no "base".
+    from spandrel.architectures.Compact import Compact
+
+    from rapiddiff.utils.io import save_safetensors
+
+    torch.manual_seed(0)
+    plain = Compact(num_feat=8, num_conv=2, upscale=4).eval()
+    torch.nn.init.normal_(plain.body[-1].weight, std=0.05)
+    old = tmp_path / "old.safetensors"
+    save_safetensors(
+        plain.state_dict(), old, metadata={"format": "pt", "architecture": "Compact", "scale": "4"}
+    )
+    pth = tmp_path / "realesr-animevideov3.pth"
+    torch.save({"params": plain.state_dict()}, pth)
+    x = torch.rand(1, 3, 9, 9, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = plain(x)
+    for file in (old, pth):
+        loaded = load_upscaler(file)
+        assert loaded.base == "nearest", file
+        torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
+        # Saved again, it stays nearest (the metadata now says so).
+        assert (
+            load_upscaler(save_upscaler(loaded, tmp_path / f"again_{file.stem}.safetensors")).base
+            == "nearest"
+        )
+
+
+def test_tiled_equals_whole_with_the_bicubic_base():
+    torch.manual_seed(0)
+    net = build_compact(num_feat=4, num_conv=1, base="bicubic").eval()
+    torch.nn.init.normal_(net.body[-1].weight, std=0.05)
+    x = torch.rand(1, 3, 20, 18, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(upscale(net, x, tile=8, tile_pad=8), upscale(net, x))
+
+
+def test_bad_base_settings_and_metadata_are_errors(tmp_path):
+    from rapiddiff.utils.io import save_safetensors
+
+    with pytest.raises(
+        ValueError, match=r"base='lanczos': the compact upscaler's base is one of nearest, bicubic"
+    ):
+        build_compact(num_feat=4, num_conv=1, base="lanczos")
+    net = build_compact(num_feat=4, num_conv=1)
+    bad = tmp_path / "bad.safetensors"
+    save_safetensors(net.state_dict(), bad, metadata={"base": "bilinear"})
+    with pytest.raises(
+        ValueError, match=r"bad\.safetensors: metadata 'base'='bilinear' is not a compact-net base"
+    ):
+        load_upscaler(bad)
+    rrdb = tmp_path / "rrdb.safetensors"
+    save_safetensors(build_rrdb(1, 8).state_dict(), rrdb, metadata={"base": "bicubic"})
+    with pytest.raises(
+        ValueError, match=r"rrdb\.safetensors: metadata 'base'='bicubic' is a compact-net setting"
+    ):
+        load_upscaler(rrdb)

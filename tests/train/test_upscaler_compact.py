@@ -57,6 +57,7 @@ def test_compact_trains_from_the_kshapes_config_and_fine_tunes_from_its_export(t
     assert {"val/psnr", "val/psnr_bicubic"} <= _scalars(root)
     net = load_upscaler(root / "model")
     assert isinstance(net, Compact) and (net.num_feat, net.num_conv, net.scale) == (8, 2, 4)
+    assert net.base == "bicubic"  # the kshapes config's; recorded in the file, read back
     assert net(torch.rand(1, 3, 8, 8)).shape == (1, 3, 32, 32)
 
     # pretrained: the exported compact file is the starting point (network options are not used).
@@ -68,6 +69,7 @@ def test_compact_trains_from_the_kshapes_config_and_fine_tunes_from_its_export(t
     assert isinstance(cli.model.net, Compact)
     tuned = load_upscaler(tuned_root / "model")
     assert isinstance(tuned, Compact) and (tuned.num_feat, tuned.num_conv) == (8, 2)
+    assert cli.model.net.base == tuned.base == "bicubic"  # the file's base, not model.network's default
     changed = [k for k, v in tuned.state_dict().items() if not torch.equal(v, start[k])]
     assert changed, "fine-tuning left every weight as loaded"
 
@@ -79,6 +81,7 @@ def test_network_options_per_architecture() -> None:
     assert upscaler_stage.NetworkConfig(arch="compact").build_kwargs() == {
         "num_feat": 64,
         "num_conv": 16,
+        "base": "nearest",  # Real-ESRGAN's; configs/upscaler/kshapes.yaml sets bicubic
         "scale": 4,
     }
     # An option of the other architecture is ignored, with a warning that names it.
@@ -88,12 +91,40 @@ def test_network_options_per_architecture() -> None:
     upscaler_stage.log.addHandler(handler)
     try:
         kwargs = upscaler_stage.NetworkConfig(arch="compact", num_blocks=3, num_feat=8).build_kwargs()
-        assert kwargs == {"num_feat": 8, "num_conv": 16, "scale": 4}
+        assert kwargs == {"num_feat": 8, "num_conv": 16, "base": "nearest", "scale": 4}
         assert upscaler_stage.NetworkConfig(num_conv=4).build_kwargs()["num_blocks"] == 6
+        assert "base" not in upscaler_stage.NetworkConfig(base="bicubic").build_kwargs()
     finally:
         upscaler_stage.log.removeHandler(handler)
     assert any("num_blocks=3 is a rrdb option; ignored for arch compact" in m for m in messages), messages
     assert any("num_conv=4 is a compact option; ignored for arch rrdb" in m for m in messages), messages
+    assert any("base=bicubic is a compact option; ignored for arch rrdb" in m for m in messages), messages
+    with pytest.raises(ValueError, match=r"model.network.base='area'; valid: nearest, bicubic"):
+        upscaler_stage.NetworkConfig(arch="compact", base="area")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("base", ["nearest", "bicubic"])
+def test_validation_at_step_0_is_bicubic_only_with_the_bicubic_base(tmp_path: Path, base: str) -> None:
+    # The stage's own validation: with the bicubic base an untrained net scores exactly bicubic's
+    # PSNR (val/psnr_gain 0), with nearest it starts below it on these smooth pairs.
+    from rapiddiff.train.common import psnr
+    from rapiddiff.train.data import PairedImageDataset
+
+    lr_dir, hr_dir = write_pairs(tmp_path / "pairs", n=2)
+    pairs = PairedImageDataset(lr_dir, hr_dir, flips=False)
+    low = torch.stack([pairs[i]["lr"] for i in range(2)])
+    high = torch.stack([pairs[i]["hr"] for i in range(2)])
+    torch.manual_seed(0)
+    module = upscaler_stage.UpscalerTraining(
+        upscaler_stage.NetworkConfig(arch="compact", num_feat=8, num_conv=2, base=base)
+    )
+    with torch.no_grad():
+        ours = psnr(module.net(low).clamp(0, 1), high).mean()
+    bicubic = psnr(module.bicubic(low), high).mean()
+    if base == "bicubic":
+        torch.testing.assert_close(ours, bicubic, rtol=0, atol=0)
+    else:
+        assert ours < bicubic - 0.5, (ours, bicubic)
 
 
 def test_unknown_arch_names_the_valid_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,3 +137,23 @@ def test_unknown_arch_names_the_valid_ones(tmp_path: Path, capsys: pytest.Captur
         )
     err = capsys.readouterr().err
     assert "esrgan" in err and "rrdb" in err and "compact" in err, err
+
+
+def test_pixel_loss_is_l1_or_mse(tmp_path: Path) -> None:
+    from rapiddiff.train.data import PairedImageDataset
+
+    lr_dir, hr_dir = write_pairs(tmp_path / "pairs", n=2)
+    pairs = PairedImageDataset(lr_dir, hr_dir, flips=False)
+    batch = {
+        "lr": torch.stack([pairs[i]["lr"] for i in range(2)]),
+        "hr": torch.stack([pairs[i]["hr"] for i in range(2)]),
+    }
+    network = upscaler_stage.NetworkConfig(arch="compact", num_feat=4, num_conv=1)
+    for name, fn in (("l1", torch.nn.functional.l1_loss), ("mse", torch.nn.functional.mse_loss)):
+        torch.manual_seed(0)
+        module = upscaler_stage.UpscalerTraining(network, pixel_loss=name)  # type: ignore[arg-type]
+        with torch.no_grad():
+            expected = fn(module.net(batch["lr"]), batch["hr"])
+            torch.testing.assert_close(module.training_step(batch, 0), expected)
+    with pytest.raises(ValueError, match=r"model.pixel_loss='l2'; valid: l1, mse"):
+        upscaler_stage.UpscalerTraining(network, pixel_loss="l2")  # type: ignore[arg-type]
