@@ -268,7 +268,11 @@ class LatentDiffusion(RapidModule):
         else:
             latents = self.encode_images(batch)  # (B, C, h, w), scaled
             captions = self.drop_captions(batch["text"])
-            text = {k: v.to(self.device) for k, v in self._tokenize(captions).items()}
+            # non_blocking: a blocking host-to-device copy waits for the GPU to drain (the previous
+            # step's backward and optimizer, this step's VAE encode) before the text encoder and
+            # U-Net are even queued. From pageable memory the driver stages the bytes at the call,
+            # so the fresh tensors may be dropped at once.
+            text = {k: v.to(self.device, non_blocking=True) for k, v in self._tokenize(captions).items()}
         if self.speed.cuda_graph and self.global_step >= GRAPH_WARMUP_STEPS:
             loss = self._graph_step(latents, text)
         else:
