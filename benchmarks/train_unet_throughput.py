@@ -9,13 +9,32 @@ not depend on weight values), the same batch, resolution and precision:
   in fp32 under bf16 autocast (what accelerate's prepare does), then vae.encode → noise →
   unet → mse → ``loss.item()`` (the script logs it every step) → backward → clip → AdamW step →
   LR-scheduler step → zero_grad. The text tower is the Taiyi-style Chinese BERT of the preset
-  (what a Chinese SD 1.x checkpoint uses) — the same module rapiddiff's step runs.
-- ``eager``, ``channels_last``, ``fuse_qkv``, ``all`` (both), ``compile`` (both + torch.compile):
-  rapiddiff's ``LatentDiffusion`` LightningModule through a Lightning ``Trainer``
-  (``precision="bf16-mixed"``, ``gradient_clip_val=1``), its real data path (resumable sampler),
-  with EMA off and no caption dropout/min-SNR, to match the reference's work.
+  (what a Chinese SD 1.x checkpoint uses) — the same module rapiddiff's step runs. VAE and text
+  encoder are in eval mode, as ``from_pretrained`` leaves them (a freshly built BertModel would
+  otherwise run dropout). Data: a DataLoader over pre-tokenised items, 0 workers (the script's
+  default), copied with ``non_blocking=True`` from pageable memory.
+- ``eager``, ``channels_last``, ``fuse_qkv``, ``all`` (both), ``compile`` (both + torch.compile),
+  ``fused`` (eager + ``optim.fused``: torch's fused AdamW), ``compile_fused`` (``compile`` +
+  ``optim.fused``): rapiddiff's ``LatentDiffusion`` LightningModule through a Lightning ``Trainer``
+  (``precision="bf16-mixed"``, ``gradient_clip_val=1``), its real data path (resumable sampler,
+  0 workers, pinned batches, captions tokenised through its memo), with EMA off and no caption
+  dropout/min-SNR, to match the reference's work.
+
+What still differs (by design, both sides' own defaults): Lightning's autocast wraps the whole
+training step, so rapiddiff's frozen bf16 text encoder runs under autocast (its LayerNorms and
+residual stream in fp32, ~140 extra cast kernels a step at 77 tokens) where the reference runs it
+in plain bf16; rapiddiff checks the loss is finite with one sync where the script calls
+``loss.item()``; rapiddiff pins each batch in the main thread, the script copies it from pageable
+memory.
+
+Timing: ``--repeats`` windows of ``--steps`` optimizer steps after ``--warmup``, one sync at each
+window's end (never per step); the median window's images/s is reported, every window is kept.
+``--profile N`` profiles N more steps: top kernels, host ops, and the GPU's idle gaps with what the
+host was doing in each (``profile_<variant>.txt``; ``--trace`` keeps the Chrome trace). Python GC
+pauses (generation 1 and 2) inside the timed windows are counted per variant.
 
     python benchmarks/train_unet_throughput.py --out $OUT              # SD 1.5 size, 512², batch 8, GPU
+    python benchmarks/train_unet_throughput.py --out $OUT --variants reference,eager,fused,compile_fused
     python benchmarks/train_unet_throughput.py --size tiny --device cpu --precision 32 --steps 2 --warmup 1
 
 Writes ``train_unet_throughput.json`` and ``.md`` under ``--out`` (or $OUT).
