@@ -13,7 +13,6 @@ modules train, latent caching, and the speed switches of :mod:`rapiddiff.train.s
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapiddiff.models.sampling import SamplingDefaults
-from rapiddiff.train.common import OptimConfig, RapidCLI, RapidModule, configure_adamw, ensure_finite, run_cli
+from rapiddiff.train.common import (
+    FrozenGC,
+    OptimConfig,
+    RapidCLI,
+    RapidModule,
+    configure_adamw,
+    ensure_finite,
+    run_cli,
+)
 from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.train.speed import (
     GRAPH_WARMUP_STEPS,
@@ -502,19 +509,10 @@ class LatentDiffusion(RapidModule):
         if self.ema is not None:
             self.ema.to(self.device)
 
+    def configure_callbacks(self) -> list[Any]:
+        return [FrozenGC()]  # no full GC pauses in a host-bound step
+
     def on_train_start(self) -> None:
-        self._prepare_training_data()
-        # Everything alive now (the models, their parameters and modules, the data, Lightning) lives
-        # for the whole run: moved out of the cyclic GC's reach, its full collections no longer walk
-        # them. Such a collection paused the host ~0.3 s about once a minute at SD 1.5 size (every
-        # GPU-idle ms of a host-bound step). Also keeps fork()ed loader workers' pages shared.
-        gc.collect()
-        gc.freeze()
-
-    def on_train_end(self) -> None:
-        gc.unfreeze()
-
-    def _prepare_training_data(self) -> None:
         if self.cache_latents and self._latents is None:
             self._latents = self._encode_dataset(self.trainer.train_dataloader)
         if self.speed.gpu_data:
