@@ -9,13 +9,32 @@ not depend on weight values), the same batch, resolution and precision:
   in fp32 under bf16 autocast (what accelerate's prepare does), then vae.encode → noise →
   unet → mse → ``loss.item()`` (the script logs it every step) → backward → clip → AdamW step →
   LR-scheduler step → zero_grad. The text tower is the Taiyi-style Chinese BERT of the preset
-  (what a Chinese SD 1.x checkpoint uses) — the same module rapiddiff's step runs.
-- ``eager``, ``channels_last``, ``fuse_qkv``, ``all`` (both), ``compile`` (both + torch.compile):
-  rapiddiff's ``LatentDiffusion`` LightningModule through a Lightning ``Trainer``
-  (``precision="bf16-mixed"``, ``gradient_clip_val=1``), its real data path (resumable sampler),
-  with EMA off and no caption dropout/min-SNR, to match the reference's work.
+  (what a Chinese SD 1.x checkpoint uses) — the same module rapiddiff's step runs. VAE and text
+  encoder are in eval mode, as ``from_pretrained`` leaves them (a freshly built BertModel would
+  otherwise run dropout). Data: a DataLoader over pre-tokenised items, 0 workers (the script's
+  default), copied with ``non_blocking=True`` from pageable memory.
+- ``eager``, ``channels_last``, ``fuse_qkv``, ``all`` (both), ``compile`` (both + torch.compile),
+  ``fused`` (eager + ``optim.fused``: torch's fused AdamW), ``compile_fused`` (``compile`` +
+  ``optim.fused``): rapiddiff's ``LatentDiffusion`` LightningModule through a Lightning ``Trainer``
+  (``precision="bf16-mixed"``, ``gradient_clip_val=1``), its real data path (resumable sampler,
+  0 workers, pinned batches, captions tokenised through its memo), with EMA off and no caption
+  dropout/min-SNR, to match the reference's work.
+
+What still differs (by design, both sides' own defaults): Lightning's autocast wraps the whole
+training step, so rapiddiff's frozen bf16 text encoder runs under autocast (its LayerNorms and
+residual stream in fp32, ~140 extra cast kernels a step at 77 tokens) where the reference runs it
+in plain bf16; rapiddiff checks the loss is finite with one sync where the script calls
+``loss.item()``; rapiddiff pins each batch in the main thread, the script copies it from pageable
+memory.
+
+Timing: ``--repeats`` windows of ``--steps`` optimizer steps after ``--warmup``, one sync at each
+window's end (never per step); the median window's images/s is reported, every window is kept.
+``--profile N`` profiles N more steps: top kernels, host ops, and the GPU's idle gaps with what the
+host was doing in each (``profile_<variant>.txt``; ``--trace`` keeps the Chrome trace). Python GC
+pauses (generation 1 and 2) inside the timed windows are counted per variant.
 
     python benchmarks/train_unet_throughput.py --out $OUT              # SD 1.5 size, 512², batch 8, GPU
+    python benchmarks/train_unet_throughput.py --out $OUT --variants reference,eager,fused,compile_fused
     python benchmarks/train_unet_throughput.py --size tiny --device cpu --precision 32 --steps 2 --warmup 1
 
 Writes ``train_unet_throughput.json`` and ``.md`` under ``--out`` (or $OUT).
@@ -27,9 +46,11 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
+import itertools
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,6 +70,9 @@ VARIANTS = {
     "fuse_qkv": {"fuse_qkv": True},
     "all": {"channels_last": True, "fuse_qkv": True},
     "compile": {"channels_last": True, "fuse_qkv": True, "compile": True},
+    # optim.fused: torch's fused AdamW (one kernel per parameter group instead of foreach passes)
+    "fused": {"fused_adamw": True},
+    "compile_fused": {"channels_last": True, "fuse_qkv": True, "compile": True, "fused_adamw": True},
 }
 
 
@@ -109,6 +133,10 @@ def run_reference(
     unet = UNet2DConditionModel(**unet_config(args.size))
     vae.requires_grad_(False)
     text_encoder.requires_grad_(False)
+    # from_pretrained returns modules in eval mode and the script never calls .train() on the
+    # frozen ones: no dropout in the text encoder (a freshly built BertModel starts in train mode).
+    vae.eval()
+    text_encoder.eval()
     unet.train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
     lr_scheduler = get_scheduler(
@@ -160,23 +188,29 @@ def run_reference(
     for _ in range(args.warmup):
         step(next(batches))
     sync(device)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step(next(batches))
-    sync(device)
-    seconds = time.perf_counter() - start
+    marks = [time.perf_counter()]
+    for _ in range(args.repeats):
+        for _ in range(args.steps):
+            step(next(batches))
+        sync(device)
+        marks.append(time.perf_counter())
     memory = peak_memory_gib(device)
     if args.profile:
         with profiler(args, "reference"):
             for _ in range(args.profile):
                 step(next(batches))
             sync(device)
-    return {"seconds": seconds, "peak_memory_gib": memory}
+    return {"window_seconds": _windows(marks), "marks": marks, "peak_memory_gib": memory}
+
+
+def _windows(marks: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 @contextlib.contextmanager
 def profiler(args: argparse.Namespace, name: str) -> Any:
-    """torch.profiler over the steps inside; top kernels and host ops to OUT/profile_<name>.txt."""
+    """torch.profiler over the steps inside: top kernels, host ops and the GPU's idle gaps (what the
+    host was doing in each) to OUT/profile_<name>.txt; with --trace the Chrome trace, gzipped."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -185,19 +219,68 @@ def profiler(args: argparse.Namespace, name: str) -> Any:
         yield
     wall = (time.perf_counter() - start) / args.profile
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) / args.profile
     lines = [
-        f"{name}: {args.profile} profiled steps, wall {wall * 1000:.1f} ms/step, "
-        f"GPU kernel time {device_us / 1000:.1f} ms/step",
+        f"{name}: {args.profile} profiled steps, wall {wall * 1000:.1f} ms/step (under the profiler)",
         events.table(
             sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
             row_limit=25,
         ),
-        events.table(sort_by="cpu_time_total", row_limit=15),
+        events.table(sort_by="self_cpu_time_total", row_limit=30),  # syncs and copies show here
     ]
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    trace = Path(args.out) / f"trace_{name}.json"
+    prof.export_chrome_trace(str(trace))
+    lines.insert(1, gpu_gaps(json.loads(trace.read_text()), args.profile))
+    if args.trace:
+        import gzip
+
+        with gzip.open(f"{trace}.gz", "wb") as handle:
+            handle.write(trace.read_bytes())
+    trace.unlink()
     (Path(args.out) / f"profile_{name}.txt").write_text("\n".join(lines) + "\n")
-    print(lines[0], file=sys.stderr, flush=True)
+    print(lines[0], lines[1], sep="\n", file=sys.stderr, flush=True)
+
+
+def gpu_gaps(trace: dict[str, Any], steps: int, top: int = 12) -> str:
+    """The GPU's busy and idle time over the profiled steps (first kernel to last), and the largest
+    idle gaps with the host's CUDA runtime calls and outermost op running when each began."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not gpu:
+        return "no GPU activity recorded"
+    busy, gaps, end = 0.0, [], gpu[0][0]
+    previous = ""
+    for a, b, kernel in gpu:
+        if a > end:
+            gaps.append((a - end, end, previous, kernel))
+        busy += max(0.0, b - max(a, end))
+        if b > end:
+            end, previous = b, kernel
+    span = end - gpu[0][0]
+    host = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op", "user_annotation")]
+    lines = [
+        f"GPU over {steps} steps: span {span / 1e3 / steps:.1f} ms/step, kernels busy "
+        f"{busy / 1e3 / steps:.1f} ms/step, idle {(span - busy) / 1e3 / steps:.1f} ms/step "
+        f"({len(gaps)} gaps; {sum(g for g, *_ in gaps if g > 100) / 1e3 / steps:.1f} ms/step in gaps > 0.1 ms)",
+        "largest idle gaps (ms, after kernel → before kernel: host calls overlapping the gap):",
+    ]
+    for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
+        overlapping = sorted(
+            (e for e in host if float(e["ts"]) < at + gap and float(e["ts"]) + float(e["dur"]) > at),
+            key=lambda e: -float(e["dur"]),
+        )
+        runtime = [
+            f"{e['name']} {float(e['dur']) / 1e3:.1f}" for e in overlapping if e.get("cat") != "cpu_op"
+        ]
+        ops = [f"{e['name']} {float(e['dur']) / 1e3:.1f}" for e in overlapping if e.get("cat") == "cpu_op"]
+        lines.append(
+            f"  {gap / 1e3:7.2f}  {before[:40]} → {after[:40]}:  {'; '.join(runtime[:4])} | ops {'; '.join(ops[:5])}"
+        )
+    return "\n".join(lines)
 
 
 def _cycle(loader: Any) -> Any:
@@ -219,6 +302,9 @@ def run_rapiddiff(
     from rapiddiff.train.speed import SpeedConfig
     from rapiddiff.train.unet import DiffusionLoss, LatentDiffusion
 
+    speed = dict(speed)
+    fused = bool(speed.pop("fused_adamw", False))
+
     class Items(torch.utils.data.Dataset):
         def __len__(self) -> int:
             return len(items)
@@ -230,24 +316,29 @@ def run_rapiddiff(
         def train_dataloader(self) -> Any:
             return resumable_loader(Items(), self.trainer, batch_size=args.batch)
 
+    timed = args.steps * args.repeats
+    # Sync'd marks at the warm-up's end and after every window of --steps steps (a sync every
+    # window, not every step: the host may run ahead within a window, as it does in training).
+    window_ends = {args.warmup + k * args.steps for k in range(args.repeats + 1)}
+
     class Timer(pl.Callback):
         def __init__(self) -> None:
-            self.start = self.end = 0.0
+            self.marks: list[float] = []
             self.profile: Any = None
 
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == args.warmup:
                 sync(device)
-                self.start = time.perf_counter()
-            if args.profile and trainer.global_step == args.warmup + args.steps:
+                self.marks.append(time.perf_counter())
+            if args.profile and trainer.global_step == args.warmup + timed:
                 self.profile = profiler(args, name)
                 self.profile.__enter__()
 
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-            if trainer.global_step == args.warmup + args.steps:
+            if trainer.global_step in window_ends and trainer.global_step > args.warmup:
                 sync(device)
-                self.end = time.perf_counter()
-            if self.profile is not None and trainer.global_step == args.warmup + args.steps + args.profile:
+                self.marks.append(time.perf_counter())
+            if self.profile is not None and trainer.global_step == args.warmup + timed + args.profile:
                 sync(device)
                 self.profile.__exit__(None, None, None)
                 self.profile = None
@@ -258,7 +349,7 @@ def run_rapiddiff(
         text_encoder=args.size,
         trainable=("unet",),
         loss=DiffusionLoss(caption_dropout=0.0),
-        optim=OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0),
+        optim=OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0, fused=fused),
         ema=None,
         speed=SpeedConfig(**speed),
     )
@@ -268,7 +359,7 @@ def run_rapiddiff(
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         precision="bf16-mixed" if args.precision == "bf16" else "32-true",
-        max_steps=args.warmup + args.steps + args.profile,
+        max_steps=args.warmup + timed + args.profile,
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
@@ -280,7 +371,7 @@ def run_rapiddiff(
     )
     trainer.fit(module, datamodule=Data())
     memory = peak_memory_gib(device)
-    return {"seconds": timer.end - timer.start, "peak_memory_gib": memory}
+    return {"window_seconds": _windows(timer.marks), "marks": timer.marks, "peak_memory_gib": memory}
 
 
 # ----------------------------------------------------------------------------- main
@@ -289,7 +380,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON and markdown")
     parser.add_argument("--size", default="sd15", choices=["sd15", "kshapes", "tiny"], help="model preset")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per variant")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per window")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed windows per variant (the median is reported)"
+    )
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens here)")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "32"])
@@ -298,8 +392,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
     parser.add_argument(
+        "--trace", action="store_true", help="with --profile: also write trace_<variant>.json.gz"
+    )
+    parser.add_argument("--tag", default="", help="a label for this run's rows (e.g. which tree ran them)")
+    parser.add_argument(
         "--variants",
-        default="reference," + ",".join(VARIANTS),
+        default="reference,eager,channels_last,fuse_qkv,all,compile",
         help=f"comma-separated: reference and any of {', '.join(VARIANTS)}",
     )
     args = parser.parse_args(argv)
@@ -309,6 +407,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the script's default (--allow_tf32 off)
     side = image_size(args.size)
+    pauses: list[tuple[float, float]] = []  # (start, seconds) of gen-1/2 collections
+    gc_start = [0.0]
+
+    def gc_timer(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        elif info.get("generation", 0) >= 1:
+            pauses.append((gc_start[0], time.perf_counter() - gc_start[0]))
+
+    gc.callbacks.append(gc_timer)
     items = synthetic_items(max(4 * args.batch, 32), side)
     results = []
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
@@ -317,6 +425,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         free(device)
         torch.manual_seed(0)
         print(f"[{name}] ...", file=sys.stderr, flush=True)
+        pauses.clear()
         try:
             if name == "reference":
                 measured = run_reference(args, device, items)
@@ -328,9 +437,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 {"variant": name, "images_per_s": None, "error": repr(err)[:500], "peak_memory_gib": None}
             )
             continue
-        images_per_s = args.steps * args.batch * args.devices / measured["seconds"]  # all ranks
-        row = {"variant": name, "images_per_s": images_per_s, **measured}
-        print(f"[{name}] {images_per_s:.2f} images/s", file=sys.stderr, flush=True)
+        per_window = [
+            args.steps * args.batch * args.devices / t for t in measured["window_seconds"]
+        ]  # all ranks
+        images_per_s = statistics.median(per_window)
+        # Python's cyclic GC: a pause right after a sync leaves the GPU idle for as long.
+        marks = measured.pop("marks")
+        timed = [d for t, d in pauses if marks[0] <= t <= marks[-1]]
+        measured["gc_collections"], measured["gc_seconds"] = len(timed), sum(timed)
+        row = {"variant": name, "images_per_s": images_per_s, "images_per_s_windows": per_window, **measured}
+        print(
+            f"[{name}] {images_per_s:.2f} images/s (windows {[round(x, 2) for x in per_window]})",
+            file=sys.stderr,
+            flush=True,
+        )
         results.append(row)
     reference = next((r["images_per_s"] for r in results if r["variant"] == "reference"), None)
     for row in results:
@@ -348,7 +468,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": args.batch,
         "precision": args.precision,
         "steps": args.steps,
+        "repeats": args.repeats,
         "warmup": args.warmup,
+        "tag": args.tag,
         "results": results,
     }
     report["devices"] = args.devices

@@ -20,6 +20,7 @@ resumed run reproduces the uninterrupted run's losses exactly (a test compares t
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -202,6 +203,29 @@ class SaveConfigBesideCheckpoints(SaveConfigCallback):
             folder = Path(checkpoint_dir(trainer))
             folder.mkdir(parents=True, exist_ok=True)
             self.parser.save(self.config, str(folder / self.config_filename), skip_none=False, overwrite=True)
+
+
+class FrozenGC(Callback):
+    """Moves every object alive at train start out of the cyclic GC's reach while training.
+
+    The models, their parameters and modules, the data and Lightning live for the whole run; a full
+    (generation-2) collection walks all of them: at SD 1.5 size a ~0.3 s host pause about once a
+    minute, GPU-idle time for a host-bound step. Frozen, they are skipped (new objects are still
+    collected); fork()ed loader workers also keep those pages shared. Unfrozen at train end or on an
+    exception, so a failed run's objects can be collected again.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        gc.collect()
+        gc.freeze()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        gc.unfreeze()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        gc.unfreeze()
 
 
 class GracefulInterrupt(Callback):

@@ -23,7 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapiddiff.models.sampling import SamplingDefaults
-from rapiddiff.train.common import OptimConfig, RapidCLI, RapidModule, configure_adamw, ensure_finite, run_cli
+from rapiddiff.train.common import (
+    FrozenGC,
+    OptimConfig,
+    RapidCLI,
+    RapidModule,
+    configure_adamw,
+    ensure_finite,
+    run_cli,
+)
 from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.train.speed import (
     GRAPH_WARMUP_STEPS,
@@ -268,7 +276,11 @@ class LatentDiffusion(RapidModule):
         else:
             latents = self.encode_images(batch)  # (B, C, h, w), scaled
             captions = self.drop_captions(batch["text"])
-            text = {k: v.to(self.device) for k, v in self._tokenize(captions).items()}
+            # non_blocking: a blocking host-to-device copy waits for the GPU to drain (the previous
+            # step's backward and optimizer, this step's VAE encode) before the text encoder and
+            # U-Net are even queued. From pageable memory the driver stages the bytes at the call,
+            # so the fresh tensors may be dropped at once.
+            text = {k: v.to(self.device, non_blocking=True) for k, v in self._tokenize(captions).items()}
         if self.speed.cuda_graph and self.global_step >= GRAPH_WARMUP_STEPS:
             loss = self._graph_step(latents, text)
         else:
@@ -496,6 +508,9 @@ class LatentDiffusion(RapidModule):
     def on_fit_start(self) -> None:
         if self.ema is not None:
             self.ema.to(self.device)
+
+    def configure_callbacks(self) -> list[Any]:
+        return [FrozenGC()]  # no full GC pauses in a host-bound step
 
     def on_train_start(self) -> None:
         if self.cache_latents and self._latents is None:
