@@ -141,16 +141,18 @@ def _jieba_table() -> tuple[np.ndarray, ...]:
     offsets = np.zeros(len(words) + 1, np.int64)
     offsets[1:] = np.cumsum(np.fromiter(map(len, words), np.int64, len(words)))
     weights = np.asarray([d.weights[i] for _, i in items], np.float64)
-    table, e_off, e_len, e_weight = linker_dp.build_words(pool, offsets, weights)
-    return table, e_off, e_len, e_weight, pool
+    table, slot_weight = linker_dp.build_words(pool, offsets, weights)
+    return table, slot_weight, pool
 
 
-def _head_codes(heads: set[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The forms' first two characters (``c0 << 21 | c1``) and the one-character forms, as sorted
-    code arrays for :func:`linker_dp.form_starts`."""
-    pairs = sorted((ord(h[0]) << 21) | ord(h[1]) for h in heads if len(h) == 2)
-    singles = sorted(ord(h) for h in heads if len(h) == 1)
-    return np.asarray(pairs, np.int64), np.asarray(singles, np.int64)
+def _head_set(heads: set[str]) -> tuple[np.ndarray, bool]:
+    """The forms' first two characters as :func:`linker_dp.form_starts` reads them: a hash set of
+    ``c0 << 21 | c1`` (and ``c << 21 | SINGLE`` for a one-character form); whether any form has
+    one character."""
+    from rapiddiff.kg import linker_dp
+
+    codes = [(ord(h[0]) << 21) | (ord(h[1]) if len(h) == 2 else linker_dp.SINGLE) for h in heads]
+    return linker_dp.build_set(np.asarray(codes, np.int64)), any(len(h) == 1 for h in heads)
 
 
 def _is_alnum(char: str) -> bool:
@@ -314,7 +316,7 @@ class EntityLinker:
         self._weights = weights
         self._scan_longest = max(self.longest, jieba_words.longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
-        self._head_codes = _head_codes(self._heads)
+        self._head_set = _head_set(self._heads)
         if clashes:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
@@ -379,7 +381,7 @@ class EntityLinker:
         from rapiddiff.kg import linker_dp
 
         cp = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        qpos = linker_dp.form_starts(cp, *self._head_codes)
+        qpos = linker_dp.form_starts(cp, *self._head_set)
         if not qpos.size:
             return []
         prefixes, longest = self.trie.iter_prefixes_with_ids, self._scan_longest

@@ -61,50 +61,51 @@ def _slot(h: np.uint64, mask: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def build_words(
-    pool: np.ndarray, offsets: np.ndarray, weights: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def build_words(pool: np.ndarray, offsets: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """jieba's words (code points ``pool[offsets[w]:offsets[w + 1]]``, weight ``weights[w]``) and
-    every prefix of them as a hash table: (slots → entry, -1 empty; entry → offset into ``pool``,
-    length, weight — NaN for a prefix that is not itself a word)."""
+    every prefix of them as an open-addressing hash table: (slot → ``offset << 8 | length`` of the
+    string in ``pool``, -1 empty; slot → weight, NaN for a prefix that is not itself a word). One
+    slot holds what a probe reads, so a lookup touches the table, the pool, and the weight."""
     n_words = offsets.size - 1
-    total = int(offsets[-1])
     size = 1
-    while size < 2 * total:
+    while size < 2 * int(offsets[-1]):  # at most one entry per character of the words
         size *= 2
-    table = np.full(size, -1, np.int32)
-    e_off = np.empty(total, np.int64)
-    e_len = np.empty(total, np.int64)
-    e_weight = np.empty(total, np.float64)
-    entries = 0
+    table = np.full(size, -1, np.int64)
+    slot_weight = np.full(size, np.nan)
     for w in range(n_words):
         start = offsets[w]
         length = offsets[w + 1] - start
         h = np.uint64(0)
         for ln in range(1, length + 1):
             h = h * _MULT + np.uint64(pool[start + ln - 1])
-            s = _slot(h, size - 1)
-            while True:
-                e = table[s]
-                if e < 0:
-                    table[s] = entries
-                    e_off[entries] = start
-                    e_len[entries] = ln
-                    e_weight[entries] = weights[w] if ln == length else np.nan
-                    entries += 1
+            s = _find(table, pool, pool, start, ln, h)
+            if table[s] < 0:
+                table[s] = (start << 8) | ln
+            if ln == length:
+                slot_weight[s] = weights[w]
+    return table, slot_weight
+
+
+@numba.njit(cache=True, nogil=True)
+def _find(table: np.ndarray, pool: np.ndarray, text: np.ndarray, k: int, ln: int, h: np.uint64) -> int:
+    """The slot of ``text[k:k + ln]`` (hash ``h``) in a :func:`build_words` table, or the empty
+    slot where it would go."""
+    mask = table.size - 1
+    s = _slot(h, mask)
+    while True:
+        entry = table[s]
+        if entry < 0:
+            return s
+        if entry & 255 == ln:
+            off = entry >> 8
+            same = True
+            for x in range(ln):
+                if pool[off + x] != text[k + x]:
+                    same = False
                     break
-                if e_len[e] == ln:
-                    same = True
-                    for x in range(ln):
-                        if pool[e_off[e] + x] != pool[start + x]:
-                            same = False
-                            break
-                    if same:
-                        if ln == length:
-                            e_weight[e] = weights[w]
-                        break
-                s = (s + 1) & (size - 1)
-    return table, e_off[:entries].copy(), e_len[:entries].copy(), e_weight[:entries].copy()
+            if same:
+                return s
+        s = (s + 1) & mask
 
 
 @numba.njit(cache=True, nogil=True)
@@ -113,9 +114,7 @@ def _jieba_words(
     k: int,
     end: int,
     table: np.ndarray,
-    e_off: np.ndarray,
-    e_len: np.ndarray,
-    e_weight: np.ndarray,
+    slot_weight: np.ndarray,
     pool: np.ndarray,
     out_end: np.ndarray,
     out_weight: np.ndarray,
@@ -123,28 +122,14 @@ def _jieba_words(
     """jieba's words starting at ``k`` and ending before ``end``, shortest first, walked as jieba's
     get_DAG walks its dictionary (stop at the first string that is no word's prefix): their last
     index and weight into ``out_end``/``out_weight``; returns how many."""
-    mask = table.size - 1
     count = 0
     h = np.uint64(0)
     for ln in range(1, end - k + 1):
         h = h * _MULT + np.uint64(cp[k + ln - 1])
-        s = _slot(h, mask)
-        found = -1
-        while table[s] >= 0:
-            t = table[s]
-            if e_len[t] == ln:
-                same = True
-                for x in range(ln):
-                    if pool[e_off[t] + x] != cp[k + x]:
-                        same = False
-                        break
-                if same:
-                    found = t
-                    break
-            s = (s + 1) & mask
-        if found < 0:
+        s = _find(table, pool, cp, k, ln, h)
+        if table[s] < 0:
             break
-        w = e_weight[found]
+        w = slot_weight[s]
         if w == w:  # a word, not only a prefix
             out_end[count] = k + ln - 1
             out_weight[count] = w
@@ -153,13 +138,34 @@ def _jieba_words(
 
 
 @numba.njit(cache=True, nogil=True)
+def build_set(keys: np.ndarray) -> np.ndarray:
+    """Non-negative int64 ``keys`` as an open-addressing hash set (-1: empty)."""
+    size = 2
+    while size < 2 * keys.size:
+        size *= 2
+    table = np.full(size, -1, np.int64)
+    for key in keys:
+        s = _slot(np.uint64(key), size - 1)
+        while table[s] >= 0 and table[s] != key:
+            s = (s + 1) & (size - 1)
+        table[s] = key
+    return table
+
+
+@numba.njit(cache=True, nogil=True)
+def _contains(table: np.ndarray, key: int) -> bool:
+    mask = table.size - 1
+    s = _slot(np.uint64(key), mask)
+    while table[s] >= 0:
+        if table[s] == key:
+            return True
+        s = (s + 1) & mask
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
 def jieba_dag(
-    cp: np.ndarray,
-    table: np.ndarray,
-    e_off: np.ndarray,
-    e_len: np.ndarray,
-    e_weight: np.ndarray,
-    pool: np.ndarray,
+    cp: np.ndarray, table: np.ndarray, slot_weight: np.ndarray, pool: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (start, last index, weight) of jieba's words in ``cp`` (what :func:`check` reads
     where no form starts; the tests compare it with jieba's own dictionary)."""
@@ -170,31 +176,29 @@ def jieba_dag(
     ends = [0]
     weights = [0.0]
     for k in range(n):
-        for x in range(_jieba_words(cp, k, n, table, e_off, e_len, e_weight, pool, word_end, word_weight)):
+        for x in range(_jieba_words(cp, k, n, table, slot_weight, pool, word_end, word_weight)):
             starts.append(k)
             ends.append(word_end[x])
             weights.append(word_weight[x])
     return np.array(starts[1:], np.int64), np.array(ends[1:], np.int64), np.array(weights[1:], np.float64)
 
 
+SINGLE = (1 << 21) - 1  # above every code point: c << 21 | SINGLE is a one-character form's key
+
+
 @numba.njit(cache=True, nogil=True)
-def form_starts(cp: np.ndarray, heads: np.ndarray, singles: np.ndarray) -> np.ndarray:
-    """Positions where a form may start: the two characters there are a form's first two
-    (``heads``: sorted ``c0 << 21 | c1``), or the character is a one-character form (``singles``,
-    sorted)."""
+def form_starts(cp: np.ndarray, heads: np.ndarray, singles: bool) -> np.ndarray:
+    """Positions where a form may start: the two characters there are a form's first two (``heads``,
+    a :func:`build_set` of ``c0 << 21 | c1``), or the character is a one-character form (``c << 21 |
+    SINGLE`` in ``heads``; ``singles``: the lexicon has any)."""
     n = cp.size
     out = np.empty(n, np.int64)
     k = 0
     for i in range(n):
-        hit = False
-        if i + 1 < n and heads.size:
-            key = (np.int64(cp[i]) << 21) | np.int64(cp[i + 1])
-            j = np.searchsorted(heads, key)
-            hit = j < heads.size and heads[j] == key
-        if not hit and singles.size:
-            j = np.searchsorted(singles, np.int64(cp[i]))
-            hit = j < singles.size and singles[j] == cp[i]
-        if hit:
+        c = np.int64(cp[i]) << 21
+        if (i + 1 < n and _contains(heads, c | np.int64(cp[i + 1]))) or (
+            singles and _contains(heads, c | SINGLE)
+        ):
             out[k] = i
             k += 1
     return out[:k]
@@ -211,9 +215,7 @@ def check(
     weights: np.ndarray,
     logtotal: float,
     table: np.ndarray,
-    e_off: np.ndarray,
-    e_len: np.ndarray,
-    e_weight: np.ndarray,
+    slot_weight: np.ndarray,
     pool: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(candidate starts, ends, entity ids — by start, then length; True for each candidate kept;
@@ -301,9 +303,7 @@ def check(
                             best = sc
                             best_end = i
                 else:  # no form starts here: jieba's words
-                    for x in range(
-                        _jieba_words(cp, k, end, table, e_off, e_len, e_weight, pool, word_end, word_weight)
-                    ):
+                    for x in range(_jieba_words(cp, k, end, table, slot_weight, pool, word_end, word_weight)):
                         i = word_end[x]
                         sc = word_weight[x] + score[i + 1]
                         if best_end < 0 or sc >= best:
