@@ -11,15 +11,19 @@
    forms that occur in a jieba block can change that block's segmentation, so each block that
    needs the check is segmented with jieba's dictionary plus the candidates found in it, each at
    the frequency jieba's ``add_word`` would suggest. 番茄 is not linked inside 番茄酱 unless
-   番茄酱 is itself an entity. jieba is the expensive step, so it runs only on the jieba blocks
-   (runs of Han/alphanumeric characters, which jieba segments independently) where a candidate
-   boundary falls strictly inside the block.
+   番茄酱 is itself an entity. The segmentation runs only on the jieba blocks (runs of
+   Han/alphanumeric characters, which jieba segments independently) where a candidate boundary
+   falls strictly inside the block. jieba's words live in the same trie as the forms, so where a
+   form may start one query finds both; elsewhere, and for the blocks, the DP and the filter, a
+   compiled pass (:mod:`rapiddiff.kg.linker_dp`, numba) does what jieba's get_DAG + calc would,
+   with the same float operations.
 4. Keep the longest, then leftmost, of overlapping candidates.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -124,6 +128,33 @@ def _jieba() -> _JiebaDictionary:
     return _JiebaDictionary(trie, weights, logtotal, longest)
 
 
+@functools.cache
+def _jieba_table() -> tuple[np.ndarray, ...]:
+    """jieba's dictionary as :func:`linker_dp.build_words`'s hash table over code points, plus the
+    code point pool it points into (what :func:`linker_dp.check` walks where no form starts)."""
+    from rapiddiff.kg import linker_dp
+
+    d = _jieba()
+    items = list(d.trie.iteritems())
+    words = [w for w, _ in items]
+    pool = np.frombuffer("".join(words).encode("utf-32-le"), dtype=np.uint32)
+    offsets = np.zeros(len(words) + 1, np.int64)
+    offsets[1:] = np.cumsum(np.fromiter(map(len, words), np.int64, len(words)))
+    weights = np.asarray([d.weights[i] for _, i in items], np.float64)
+    table, slot_weight = linker_dp.build_words(pool, offsets, weights)
+    return table, slot_weight, pool
+
+
+def _head_set(heads: set[str]) -> tuple[np.ndarray, bool]:
+    """The forms' first two characters as :func:`linker_dp.form_starts` reads them: a hash set of
+    ``c0 << 21 | c1`` (and ``c << 21 | SINGLE`` for a one-character form); whether any form has
+    one character."""
+    from rapiddiff.kg import linker_dp
+
+    codes = [(ord(h[0]) << 21) | (ord(h[1]) if len(h) == 2 else linker_dp.SINGLE) for h in heads]
+    return linker_dp.build_set(np.asarray(codes, np.int64)), any(len(h) == 1 for h in heads)
+
+
 def _is_alnum(char: str) -> bool:
     return char.isascii() and char.isalnum()
 
@@ -173,15 +204,27 @@ def _segment(block: str, extra: dict[int, dict[int, float]] | None = None) -> li
     return _path_ends(nxt)
 
 
-def _path_ends(nxt: list[int], offset: int = 0) -> list[int]:
+def _path_ends(nxt: list[int]) -> list[int]:
     """The word ends along the best path of a segmentation DP (``nxt[k]``: where the word starting
-    at ``k`` ends), plus ``offset``."""
+    at ``k`` ends)."""
     ends = []
     x = 0
     while x < len(nxt):
         x = nxt[x]
-        ends.append(offset + x)
+        ends.append(x)
     return ends
+
+
+def _flat_matches(matches: list[list[tuple[str, int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Trie matches per queried position as flat arrays: (matches at each position, each
+    match's length, its key id), built by C-level iteration (no Python loop per match)."""
+    counts = np.fromiter(map(len, matches), dtype=np.int64, count=len(matches))
+    flat = list(itertools.chain.from_iterable(matches))
+    if not flat:
+        return counts, np.zeros(0, np.int64), np.zeros(0, np.int64)
+    keys, key_ids = zip(*flat, strict=True)
+    lens = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    return counts, lens, np.fromiter(key_ids, dtype=np.int64, count=len(key_ids))
 
 
 def suggested_frequency(word: str) -> int:
@@ -261,21 +304,23 @@ class EntityLinker:
         )
         self._forms = int((self.entity_ids >= 0).sum())
         self._ids = memoryview(self.entity_ids)  # indexing gives a Python int: 3x a numpy scalar
-        # jieba's words in this trie: key id → jieba's weight (the segmentation's DAG edges).
-        # jieba's weight per trie key (NaN: not a jieba word), read through a memoryview (a Python
-        # float per index): 8 bytes a key, e.g. 131 MB at 16 M forms.
+        # The segmentation weight of each trie key, 8 bytes a key (131 MB at 16 M forms): jieba's
+        # log(freq) - log(total) for its words; for a form, its add_word weight, which replaces
+        # jieba's as add_word does, computed the first time the form is in a segmented block
+        # (NaN until then). A fixed array, so the memo is bounded by the lexicon, not the text.
         weights = np.full(len(self.trie), np.nan)
         key_id = self.trie.key_id
         for word, i in jieba_words.trie.iteritems():
             weights[key_id(word)] = jieba_words.weights[i]
-        self._word_weights = memoryview(weights)
+        weights[self.entity_ids >= 0] = np.nan
+        self._weights = weights
         self._scan_longest = max(self.longest, jieba_words.longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
+        self._head_set = _head_set(self._heads)
         if clashes:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
         self._frequencies: dict[str, float] = {}
-        self._form_weights: dict[int, float] = {}  # trie key id → a form's segmentation weight
 
     @classmethod
     def from_store(cls, store: KnowledgeStore, **kwargs: Any) -> EntityLinker:
@@ -296,66 +341,6 @@ class EntityLinker:
                     if entity_id >= 0:
                         found.append((i, i + len(key), entity_id))
         return found
-
-    def _scan(self, norm: str) -> tuple[list[tuple[int, int, int]], list[Any]]:
-        """(every form occurrence (start, end, entity_id), the trie's matches per position
-        queried, None where not): the matches include jieba's words, which the word check reuses."""
-        found = []
-        matches: list[Any] = [None] * len(norm)
-        prefixes = self.trie.iter_prefixes_with_ids
-        ids = self._ids
-        longest = self._scan_longest
-        heads, singles = self._heads, self._singles
-        for i in range(len(norm)):
-            if norm[i : i + 2] in heads or (singles and norm[i] in singles):
-                hits = matches[i] = list(prefixes(norm[i : i + longest]))
-                for key, key_id in hits:
-                    entity_id = ids[key_id]
-                    if entity_id >= 0:
-                        found.append((i, i + len(key), entity_id))
-        return found, matches
-
-    def _block_ends(self, norm: str, start: int, end: int, matches: list[Any]) -> list[int]:
-        """:func:`_segment` of ``norm[start:end]`` with the block's forms added (what
-        ``_segment(block, self._extra(...))`` computes: same edges, same order, same float
-        operations), reading the DAG from the combined trie's matches instead of a second query
-        per position into jieba's own trie. Returns absolute end offsets."""
-        prefixes = self.trie.iter_prefixes_with_ids
-        ids, word_weights, longest = self._ids, self._word_weights, self._scan_longest
-        logtotal = _jieba().logtotal
-        form_weights = self._form_weights
-        n = end - start
-        score = [0.0] * (n + 1)
-        nxt = [0] * n
-        for k in range(n - 1, -1, -1):
-            at = start + k
-            hits = matches[at]
-            if hits is None:
-                hits = list(prefixes(norm[at : at + longest]))
-            best_end = -1
-            best = 0.0
-            for key, key_id in hits:  # increasing length, as the DAG's ends are visited
-                i = k + len(key) - 1
-                if i >= n:
-                    break
-                if ids[key_id] >= 0:  # a form inside the block: add_word's weight wins
-                    weight = form_weights.get(key_id)  # type: ignore[assignment]
-                    if weight is None:
-                        if len(form_weights) > 1_000_000:  # bounded, as word_frequency's memo
-                            form_weights.clear()
-                        weight = form_weights[key_id] = math.log(self.word_frequency(key)) - logtotal
-                else:
-                    weight = word_weights[key_id]
-                    if weight != weight:  # NaN: a trie key that is neither a form here nor a jieba word
-                        continue
-                sc = weight + score[i + 1]
-                if best_end < 0 or sc >= best:  # max over (score, end): ties go to the longer word
-                    best, best_end = sc, i
-            if best_end < 0:  # no word starts here: the single character, log(1) - logtotal
-                best, best_end = (0.0 - logtotal) + score[k + 1], k
-            score[k] = best
-            nxt[k] = best_end + 1
-        return _path_ends(nxt, start)
 
     def segment_ends(self, block: str) -> list[int]:
         """End offsets of the words of jieba's HMM-free segmentation of one jieba block, with
@@ -388,34 +373,29 @@ class EntityLinker:
 
     def _checked_candidates(self, norm: str) -> list[tuple[int, int, int]]:
         """Candidates whose both ends are word boundaries: not strictly inside a jieba block,
-        or an end of a word of that block's segmentation."""
-        found, matches = self._scan(norm)
-        if not found:
-            return found
-        n = len(norm)
-        block_at = [-1] * n  # the jieba block each character is in
-        blocks = []
-        for b, match in enumerate(_JIEBA_BLOCK.finditer(norm)):
-            start, end = match.span()
-            blocks.append((start, end))
-            block_at[start:end] = [b] * (end - start)
+        or an end of a word of that block's segmentation.
 
-        def inside(p: int) -> bool:
-            return 0 < p < n and block_at[p] >= 0 and block_at[p - 1] == block_at[p]
+        Python queries the trie where a form may start (forms and jieba's words in one query);
+        the rest — jieba's words elsewhere, the blocks, the DP, the filter — runs compiled
+        (:mod:`rapiddiff.kg.linker_dp`) on the matches as flat arrays."""
+        from rapiddiff.kg import linker_dp
 
-        to_segment = {block_at[p] for c in found for p in c[:2] if inside(p)}
-        boundaries: set[int] = set()
-        for b in to_segment:
-            start, end = blocks[b]
-            boundaries.update(self._block_ends(norm, start, end, matches))
-        return [
-            c
-            for c in found
-            if (not inside(c[0]) or c[0] in boundaries)
-            and (not inside(c[1]) or c[1] in boundaries)
-            and not _inner_alnum(norm, c[0], n)
-            and not _inner_alnum(norm, c[1], n)
-        ]
+        cp = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        qpos = linker_dp.form_starts(cp, *self._head_set)
+        if not qpos.size:
+            return []
+        prefixes, longest = self.trie.iter_prefixes_with_ids, self._scan_longest
+        counts, lens, kids = _flat_matches([list(prefixes(norm[i : i + longest])) for i in qpos.tolist()])
+        d = _jieba()
+        words = _jieba_table()
+        args = (cp, qpos, counts, lens, kids, self.entity_ids, self._weights, d.logtotal, *words)
+        cs, ce, ci, keep, unweighed = linker_dp.check(*args)
+        if unweighed.size:  # forms met for the first time in a segmented block: weigh them, then redo
+            restore = self.trie.restore_key
+            for key_id in set(unweighed.tolist()):
+                self._weights[key_id] = math.log(float(suggested_frequency(restore(key_id)))) - d.logtotal
+            cs, ce, ci, keep, unweighed = linker_dp.check(*args)
+        return list(zip(cs[keep].tolist(), ce[keep].tolist(), ci[keep].tolist(), strict=True))
 
     def link(self, text: str, *, word_check: bool | None = None) -> list[EntitySpan]:
         """Non-overlapping entity spans of ``text``, sorted by start (``word_check`` overrides

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -253,26 +254,71 @@ def _reference_checked(linker: EntityLinker, norm: str) -> list[tuple[int, int, 
     ]
 
 
-def test_word_check_reads_the_combined_trie_as_jieba_would() -> None:
-    """One query a position (forms and jieba's words in one trie) keeps exactly the candidates the
-    separate jieba pass kept, on dense random text over a lexicon of dictionary words."""
+def _dense_texts(rng: Any, words: list[str], lexicon: dict[str, int], count: int) -> list[str]:
+    pool = [*rng.sample(words, 400), *rng.sample(sorted(lexicon), min(len(lexicon), 2000))]
+    pool += ["，", "。", "的", "了", "x", "12", "abc", "C++", "·", "ＡＢ", "番茄酱"]
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(3, 30))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_compiled_word_check_keeps_what_the_python_reference_keeps(dense: bool) -> None:
+    """The compiled check (forms and jieba's words from one trie query where a form may start,
+    jieba's words from the hash table elsewhere, the DP in numba) keeps exactly the candidates the
+    pure-Python reference keeps (jieba's own trie, _segment's DP), on dense random text. Sparse: a
+    3,000-word lexicon, so most positions take jieba's words from the hash table; dense: every
+    dictionary word of 2+ characters and every character of the texts is a form, as at 16 M names,
+    so nearly every position is queried and nearly every block segmented."""
     import random
 
     from rapiddiff.kg.linker import _jieba_dictionary
     from rapiddiff.kg.normalize import normalize
 
-    rng = random.Random(3)
+    rng = random.Random(3 if not dense else 4)
     freq, _ = _jieba_dictionary()
     words = sorted(w for w, f in freq.items() if f and len(w) >= 2)
-    lexicon = {w: i for i, w in enumerate(rng.sample(words, 3000))}
-    lexicon.update({"番茄": 3000, "番茄酱": 3001, "红色": 3002, "abc": 3003, "C++": 3004})
+    lexicon = {w: i for i, w in enumerate(rng.sample(words, 3000) if not dense else words)}
+    lexicon.update({"番茄": -1, "番茄酱": -1, "红色": -1, "abc": -1, "C++": -1, "达·芬奇": -1})
+    texts = _dense_texts(rng, words, lexicon, 200)
+    if dense:
+        lexicon.update((c, -1) for c in sorted(set("".join(texts))) if c.strip())
+    lexicon = {w: i for i, w in enumerate(lexicon)}
     linker = EntityLinker(lexicon)
-    pool = [*rng.sample(words, 400), *lexicon, "，", "。", "的", "了", "x", "12"]
-    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(3, 30))) for _ in range(200)]
     kept = found = 0
     for text in texts:
         norm = normalize(text)
         ours = linker._checked_candidates(norm)
         assert ours == _reference_checked(linker, norm), text
+        assert linker._checked_candidates(norm) == ours  # again, every form weighed now
         kept, found = kept + len(ours), found + len(linker.candidates(norm))
     assert 500 < kept < found  # dense in forms, and the check rejected some
+
+
+def test_jieba_hash_table_is_jiebas_dictionary() -> None:
+    """The compiled check's table of jieba's words gives, at every position, the words jieba's
+    get_DAG finds there (walking its dictionary of words and prefixes), at jieba's weights."""
+    import random
+
+    import numpy as np
+
+    from rapiddiff.kg import linker_dp
+    from rapiddiff.kg.linker import _jieba, _jieba_dictionary, _jieba_table
+
+    freq, _ = _jieba_dictionary()
+    d = _jieba()
+    rng = random.Random(5)
+    words = sorted(w for w, f in freq.items() if f)
+    text = "".join(rng.choice(words) for _ in range(3000)) + "abc12ＸＹ，的了x"
+    cp = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    starts, ends, weights = linker_dp.jieba_dag(cp, *_jieba_table())
+    got = list(zip(starts.tolist(), ends.tolist(), weights.tolist(), strict=True))
+    expected = []
+    for k in range(len(text)):  # jieba.Tokenizer.get_DAG, then calc's weight of each word
+        i = k
+        frag = text[k]
+        while i < len(text) and frag in freq:
+            if freq[frag]:
+                expected.append((k, i, d.weights[d.trie[frag]]))
+            i += 1
+            frag = text[k : i + 1]
+    assert got == expected
+    assert len({s for s, _, _ in got}) > 0.9 * len(text)

@@ -1,0 +1,333 @@
+"""The EntityLinker's word check, compiled with numba, so that no Python loop runs per position or
+per DAG edge of the segmentation.
+
+Why numba: with 16 M names most jieba blocks hold a candidate boundary and are segmented, and the
+Python loop over each position's DAG edges (plus a trie query for every position of those blocks)
+held the linker at ~190 k chars per CPU-second. numba is a maintained PyPI package with wheels for
+the platforms CI uses (nothing is compiled at install time); it turns the same loops into machine
+code. The float operations are the ones :func:`rapiddiff.kg.linker._segment` does, in the same
+order (``weight + score[end + 1]``, ``>=`` so ties go to the longer word), so the segmentation is
+bit-identical; ``tests/kg/test_linker.py`` compares the kept candidates with a pure-Python
+reference on dense random texts.
+
+What stays in Python: the MARISA trie query at each position where a form may start (the
+``heads`` filter below picks them); its matches arrive as flat arrays: ``qpos`` (the positions
+queried), ``counts`` (matches at each), ``lens`` and ``kids`` (each match's length and trie key id,
+grouped by position in ``qpos`` order, shortest first). At every other position of a block only
+jieba's words start, and :func:`build_words` puts jieba's dictionary (words and their prefixes, as
+jieba's ``get_DAG`` walks it) in an open-addressing hash table over code points for this module.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_MULT = np.uint64(1_000_003)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+@numba.njit(cache=True, nogil=True)
+def _in_jieba_block(c: int) -> bool:
+    # linker._JIEBA_BLOCK's class [\u4e00-\u9fd5a-zA-Z0-9+#&._%-], on code points
+    return (
+        (0x4E00 <= c <= 0x9FD5)
+        or (97 <= c <= 122)
+        or (65 <= c <= 90)
+        or (48 <= c <= 57)
+        or c == 43  # +
+        or c == 35  # #
+        or c == 38  # &
+        or c == 46  # .
+        or c == 95  # _
+        or c == 37  # %
+        or c == 45  # -
+    )
+
+
+@numba.njit(cache=True, nogil=True)
+def _is_alnum(c: int) -> bool:
+    return (97 <= c <= 122) or (65 <= c <= 90) or (48 <= c <= 57)
+
+
+@numba.njit(cache=True, nogil=True)
+def _inside(block_at: np.ndarray, p: int, n: int) -> bool:
+    return 0 < p < n and block_at[p] >= 0 and block_at[p - 1] == block_at[p]
+
+
+@numba.njit(cache=True, nogil=True)
+def _slot(h: np.uint64, mask: int) -> int:
+    return np.int64(((h * _MIX) >> np.uint64(20)) & np.uint64(mask))
+
+
+@numba.njit(cache=True, nogil=True)
+def build_words(pool: np.ndarray, offsets: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """jieba's words (code points ``pool[offsets[w]:offsets[w + 1]]``, weight ``weights[w]``) and
+    every prefix of them as an open-addressing hash table: (slot → ``offset << 8 | length`` of the
+    string in ``pool``, -1 empty; slot → weight, NaN for a prefix that is not itself a word). One
+    slot holds what a probe reads, so a lookup touches the table, the pool, and the weight."""
+    n_words = offsets.size - 1
+    size = 1
+    while size < 2 * int(offsets[-1]):  # at most one entry per character of the words
+        size *= 2
+    table = np.full(size, -1, np.int64)
+    slot_weight = np.full(size, np.nan)
+    for w in range(n_words):
+        start = offsets[w]
+        length = offsets[w + 1] - start
+        h = np.uint64(0)
+        for ln in range(1, length + 1):
+            h = h * _MULT + np.uint64(pool[start + ln - 1])
+            s = _find(table, pool, pool, start, ln, h)
+            if table[s] < 0:
+                table[s] = (start << 8) | ln
+            if ln == length:
+                slot_weight[s] = weights[w]
+    return table, slot_weight
+
+
+@numba.njit(cache=True, nogil=True)
+def _find(table: np.ndarray, pool: np.ndarray, text: np.ndarray, k: int, ln: int, h: np.uint64) -> int:
+    """The slot of ``text[k:k + ln]`` (hash ``h``) in a :func:`build_words` table, or the empty
+    slot where it would go."""
+    mask = table.size - 1
+    s = _slot(h, mask)
+    while True:
+        entry = table[s]
+        if entry < 0:
+            return s
+        if entry & 255 == ln:
+            off = entry >> 8
+            same = True
+            for x in range(ln):
+                if pool[off + x] != text[k + x]:
+                    same = False
+                    break
+            if same:
+                return s
+        s = (s + 1) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def _jieba_words(
+    cp: np.ndarray,
+    k: int,
+    end: int,
+    table: np.ndarray,
+    slot_weight: np.ndarray,
+    pool: np.ndarray,
+    out_end: np.ndarray,
+    out_weight: np.ndarray,
+) -> int:
+    """jieba's words starting at ``k`` and ending before ``end``, shortest first, walked as jieba's
+    get_DAG walks its dictionary (stop at the first string that is no word's prefix): their last
+    index and weight into ``out_end``/``out_weight``; returns how many."""
+    count = 0
+    h = np.uint64(0)
+    for ln in range(1, end - k + 1):
+        h = h * _MULT + np.uint64(cp[k + ln - 1])
+        s = _find(table, pool, cp, k, ln, h)
+        if table[s] < 0:
+            break
+        w = slot_weight[s]
+        if w == w:  # a word, not only a prefix
+            out_end[count] = k + ln - 1
+            out_weight[count] = w
+            count += 1
+    return count
+
+
+@numba.njit(cache=True, nogil=True)
+def build_set(keys: np.ndarray) -> np.ndarray:
+    """Non-negative int64 ``keys`` as an open-addressing hash set (-1: empty)."""
+    size = 2
+    while size < 2 * keys.size:
+        size *= 2
+    table = np.full(size, -1, np.int64)
+    for key in keys:
+        s = _slot(np.uint64(key), size - 1)
+        while table[s] >= 0 and table[s] != key:
+            s = (s + 1) & (size - 1)
+        table[s] = key
+    return table
+
+
+@numba.njit(cache=True, nogil=True)
+def _contains(table: np.ndarray, key: int) -> bool:
+    mask = table.size - 1
+    s = _slot(np.uint64(key), mask)
+    while table[s] >= 0:
+        if table[s] == key:
+            return True
+        s = (s + 1) & mask
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def jieba_dag(
+    cp: np.ndarray, table: np.ndarray, slot_weight: np.ndarray, pool: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (start, last index, weight) of jieba's words in ``cp`` (what :func:`check` reads
+    where no form starts; the tests compare it with jieba's own dictionary)."""
+    n = cp.size
+    word_end = np.empty(n, np.int64)
+    word_weight = np.empty(n, np.float64)
+    starts = [0]
+    ends = [0]
+    weights = [0.0]
+    for k in range(n):
+        for x in range(_jieba_words(cp, k, n, table, slot_weight, pool, word_end, word_weight)):
+            starts.append(k)
+            ends.append(word_end[x])
+            weights.append(word_weight[x])
+    return np.array(starts[1:], np.int64), np.array(ends[1:], np.int64), np.array(weights[1:], np.float64)
+
+
+SINGLE = (1 << 21) - 1  # above every code point: c << 21 | SINGLE is a one-character form's key
+
+
+@numba.njit(cache=True, nogil=True)
+def form_starts(cp: np.ndarray, heads: np.ndarray, singles: bool) -> np.ndarray:
+    """Positions where a form may start: the two characters there are a form's first two (``heads``,
+    a :func:`build_set` of ``c0 << 21 | c1``), or the character is a one-character form (``c << 21 |
+    SINGLE`` in ``heads``; ``singles``: the lexicon has any)."""
+    n = cp.size
+    out = np.empty(n, np.int64)
+    k = 0
+    for i in range(n):
+        c = np.int64(cp[i]) << 21
+        if (i + 1 < n and _contains(heads, c | np.int64(cp[i + 1]))) or (
+            singles and _contains(heads, c | SINGLE)
+        ):
+            out[k] = i
+            k += 1
+    return out[:k]
+
+
+@numba.njit(cache=True, nogil=True)
+def check(
+    cp: np.ndarray,
+    qpos: np.ndarray,
+    counts: np.ndarray,
+    lens: np.ndarray,
+    kids: np.ndarray,
+    entity_ids: np.ndarray,
+    weights: np.ndarray,
+    logtotal: float,
+    table: np.ndarray,
+    slot_weight: np.ndarray,
+    pool: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(candidate starts, ends, entity ids — by start, then length; True for each candidate kept;
+    the trie keys of forms whose segmentation weight is still NaN).
+
+    Candidates are the trie matches that are forms. A jieba block is segmented when a candidate
+    boundary falls strictly inside it, with jieba's DP (linker._segment's loop: edges in order of
+    length, ``sc = weight + score[end + 1]``, ``sc >= best``, the single character at
+    ``0.0 - logtotal`` where no word starts). A position's edges are its trie matches where it
+    was queried (forms at their add_word weight ``weights[key]``, jieba's words at jieba's), else
+    jieba's words from the hash table. When a form in a segmented block has no weight yet, nothing
+    is kept and those keys are returned: the caller weighs them and calls again.
+    """
+    n = cp.size
+    block_at = np.full(n, -1, np.int64)
+    b = -1
+    for p in range(n):
+        if _in_jieba_block(cp[p]):
+            if p == 0 or block_at[p - 1] < 0:
+                b += 1
+            block_at[p] = b
+    m = kids.size
+    cs = np.empty(m, np.int64)
+    ce = np.empty(m, np.int64)
+    ci = np.empty(m, np.int64)
+    first = np.full(n, -1, np.int64)
+    number = np.zeros(n, np.int64)
+    c = 0
+    j = 0
+    for q in range(qpos.size):
+        i = qpos[q]
+        first[i] = j
+        number[i] = counts[q]
+        for _ in range(counts[q]):
+            entity = entity_ids[kids[j]]
+            if entity >= 0:
+                cs[c] = i
+                ce[c] = i + lens[j]
+                ci[c] = entity
+                c += 1
+            j += 1
+    cs, ce, ci = cs[:c], ce[:c], ci[:c]
+    segment = np.zeros(b + 1, np.bool_)
+    for x in range(c):
+        if _inside(block_at, cs[x], n):
+            segment[block_at[cs[x]]] = True
+        if _inside(block_at, ce[x], n):
+            segment[block_at[ce[x]]] = True
+    unweighed = np.empty(m, np.int64)
+    u = 0
+    boundary = np.zeros(n + 1, np.bool_)
+    keep = np.zeros(c, np.bool_)
+    score = np.zeros(n + 1)
+    nxt = np.zeros(n, np.int64)
+    word_end = np.empty(n, np.int64)
+    word_weight = np.empty(n, np.float64)
+    end = n
+    while end > 0:
+        while end > 0 and block_at[end - 1] < 0:  # the block ending at `end` (exclusive)
+            end -= 1
+        if end == 0:
+            break
+        b = block_at[end - 1]
+        start = end - 1
+        while start > 0 and block_at[start - 1] == b:
+            start -= 1
+        if segment[b]:
+            score[end] = 0.0
+            for k in range(end - 1, start - 1, -1):
+                best_end = -1
+                best = 0.0
+                if first[k] >= 0:  # the trie's matches: forms and jieba's words
+                    for e in range(first[k], first[k] + number[k]):
+                        i = k + lens[e] - 1
+                        if i >= end:
+                            break
+                        w = weights[kids[e]]
+                        if w != w:  # NaN: a form not weighed yet, or neither form nor word
+                            if entity_ids[kids[e]] >= 0:
+                                unweighed[u] = kids[e]
+                                u += 1
+                            continue
+                        sc = w + score[i + 1]
+                        if best_end < 0 or sc >= best:
+                            best = sc
+                            best_end = i
+                else:  # no form starts here: jieba's words
+                    for x in range(_jieba_words(cp, k, end, table, slot_weight, pool, word_end, word_weight)):
+                        i = word_end[x]
+                        sc = word_weight[x] + score[i + 1]
+                        if best_end < 0 or sc >= best:
+                            best = sc
+                            best_end = i
+                if best_end < 0:
+                    best = (0.0 - logtotal) + score[k + 1]
+                    best_end = k
+                score[k] = best
+                nxt[k] = best_end + 1
+            x = start
+            while x < end:
+                x = nxt[x]
+                boundary[x] = True
+        end = start
+    if u:
+        return cs, ce, ci, keep, unweighed[:u]
+    for x in range(c):
+        s = cs[x]
+        e = ce[x]
+        keep[x] = (
+            (not _inside(block_at, s, n) or boundary[s])
+            and (not _inside(block_at, e, n) or boundary[e])
+            and not (0 < s < n and _is_alnum(cp[s - 1]) and _is_alnum(cp[s]))
+            and not (0 < e < n and _is_alnum(cp[e - 1]) and _is_alnum(cp[e]))
+        )
+    return cs, ce, ci, keep, unweighed[:0]
