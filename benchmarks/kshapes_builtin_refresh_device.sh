@@ -22,16 +22,18 @@ python -m rapiddiff train upscaler --config configs/upscaler/kshapes.yaml \
   --data.val_lr=$work/data/val --data.val_hr=$work/data/hr/val \
   --trainer.default_root_dir=$work/upscaler_runs --output=$work/upscaler > "$out/upscaler.log" 2>&1 &
 up=$!
+# An attribute caption names no entity: its "both" is "on" and its "text" is "off", so on/off only.
 for g in 7.5 4; do
-  python -m rapiddiff eval knowledge --model $model --kshapes $work/data --out $work/eval_g$g \
-    --splits seen,heldout,val,attribute --modes on,off,both --images-per-prompt 4 --guidance $g \
-    --workers 4 > "$out/eval_g$g.log" 2>&1
-  cp $work/eval_g$g/knowledge.md "$out/knowledge_g$g.md"
-  cp $work/eval_g$g/metrics/knowledge.json "$out/knowledge_g$g.json"
+  for run in "entities seen,heldout,val on,off,both" "attribute attribute on,off"; do
+    set -- $run
+    python -m rapiddiff eval knowledge --model $model --kshapes $work/data --out $work/eval_g${g}_$1 \
+      --splits "$2" --modes "$3" --images-per-prompt 4 --guidance $g --workers 4 > "$out/eval_g${g}_$1.log" 2>&1
+    cat $work/eval_g${g}_$1/knowledge.md >> "$out/knowledge_g$g.md"
+  done
 done
 wait $up
 cp $work/upscaler/upscaler.safetensors "$out/" 2>/dev/null
 python benchmarks/kshapes_upscaler_eval.py --data $work/data --n 200 --out "$out" \
   --upscalers shipped=$model/upscaler new=$work/upscaler > "$out/upscaler_eval.log" 2>&1
-tar czf "$out/eval_grids.tgz" $(find $work/eval_g7.5 -name "*grid*.png" | head -8) 2>/dev/null
+tar czf "$out/eval.tgz" $(find $work -path "*eval_g*" \( -name "*.json" -o -name "*grid*.png" \) | grep -v /images/) 2>/dev/null
 ls -la "$out"
