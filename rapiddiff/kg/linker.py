@@ -79,29 +79,29 @@ class _JiebaDictionary:
         return 0 if key_id is None else round(math.exp(self.weights[key_id] + self.logtotal))
 
 
+def _jieba_source() -> tuple[str, str, int, int]:
+    """What identifies jieba's dictionary for the caches: its version, file, size and mtime."""
+    from importlib.metadata import version
+
+    import jieba
+
+    source = Path(jieba.__file__).with_name("dict.txt")
+    stat = source.stat()
+    return version("jieba"), str(source), stat.st_size, stat.st_mtime_ns
+
+
 @functools.cache
 def _jieba() -> _JiebaDictionary:
     """jieba's dictionary, from the cache (built there from jieba's own files the first time)."""
     import marshal
     from importlib.metadata import version
 
-    import jieba
     import marisa_trie
 
     from rapiddiff.kg.cache import cache_file
     from rapiddiff.utils.io import atomic_write_bytes
 
-    source = Path(jieba.__file__).with_name("dict.txt")
-    stat = source.stat()
-    key = (
-        "jieba-trie",
-        1,
-        version("jieba"),
-        version("marisa-trie"),
-        str(source),
-        stat.st_size,
-        stat.st_mtime_ns,
-    )
+    key = ("jieba-trie", 1, version("marisa-trie"), *_jieba_source())
     trie_file, data_file = cache_file("jieba", key, ".marisa"), cache_file("jieba", key, ".marshal")
     try:
         weights, logtotal, longest = marshal.loads(data_file.read_bytes())
@@ -133,8 +133,18 @@ def _jieba_table() -> tuple[np.ndarray, ...]:
     """jieba's dictionary as :func:`linker_dp.build_words`'s hash table over code points, plus the
     code point pool it points into (what :func:`linker_dp.check` walks where no form starts)."""
     from rapiddiff.kg import linker_dp
+    from rapiddiff.kg.cache import cache_file
+    from rapiddiff.utils.io import atomic_open
 
     d = _jieba()
+    # Cached beside jieba's trie: rebuilding it from 350 k Python strings costs ~0.6 s a process,
+    # most of a small model's linking cost (`rapiddiff generate`'s cold start).
+    cached = cache_file("jieba", ("jieba-table", 1, *_jieba_source()), ".npz")
+    try:
+        with np.load(cached) as arrays:
+            return arrays["table"], arrays["slot_weight"], arrays["pool"]
+    except (OSError, KeyError, ValueError, EOFError):
+        pass  # absent or damaged: build it again
     items = list(d.trie.iteritems())
     words = [w for w, _ in items]
     pool = np.frombuffer("".join(words).encode("utf-32-le"), dtype=np.uint32)
@@ -142,6 +152,12 @@ def _jieba_table() -> tuple[np.ndarray, ...]:
     offsets[1:] = np.cumsum(np.fromiter(map(len, words), np.int64, len(words)))
     weights = np.asarray([d.weights[i] for _, i in items], np.float64)
     table, slot_weight = linker_dp.build_words(pool, offsets, weights)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(cached, "wb") as f:
+            np.savez(f, table=table, slot_weight=slot_weight, pool=pool)
+    except OSError as err:
+        log.debug("cannot cache jieba's word table in %s (%s)", cached.parent, err)
     return table, slot_weight, pool
 
 
