@@ -31,29 +31,42 @@ SSIM = "Wang et al. 2004 as torchmetrics' structural_similarity_index_measure (G
 
 
 @cache
-def unit_area(shape: str) -> float:
-    """The fraction of the image a ``shape`` covers at scale 1 (measured on its render mask)."""
+def unit_geometry(shape: str) -> tuple[float, float, float]:
+    """(area, dx, dy) of ``shape`` drawn at scale 1: the fraction of the image it covers and its
+    centroid's offset from its bounding-box centre (in image widths; a triangle's sits lower),
+    measured on its render mask."""
     from rapiddiff.data.kshapes.render import ShapeSpec, render_mask
 
-    mask = render_mask(ShapeSpec(shape, "黑色", "浅蓝色", 0.5, 0.5), 256)
-    return float(np.asarray(mask, np.float64).mean() / 255.0)
+    mask = np.asarray(render_mask(ShapeSpec(shape, "黑色", "浅蓝色", 0.5, 0.5), 256), np.float64) / 255.0
+    ys, xs = np.mgrid[0 : mask.shape[0], 0 : mask.shape[1]] + 0.5
+    total = mask.sum()
+    cx, cy = (mask * xs).sum() / total / 256, (mask * ys).sum() / total / 256
+    return float(mask.mean()), float(cx - 0.5), float(cy - 0.5)
 
 
 def rerender_spec(found: dict[str, Any]) -> dict[str, Any] | None:
     """The ShapeSpec fields (a JSON-ready dict) of what the detector read; None without a background.
 
-    No object found: the spec has ``shape`` None (the re-render is the flat background alone)."""
+    The scale follows from the object's area; its place from its centroid less the shape's own
+    centroid offset (a mean over the object's pixels: a stray speck joined to the blob moves it
+    less than it moves the bounding box), else from the bounding-box centre. No object found: the
+    spec has ``shape`` None (the re-render is the flat background alone)."""
     if not found.get("background"):
         return None
     spec: dict[str, Any] = {"background": found["background"], "shape": None}
     if found.get("shape") and found.get("colour") and found.get("centre") and found.get("area"):
-        scale = math.sqrt(float(found["area"]) / unit_area(found["shape"]))
+        area, dx, dy = unit_geometry(found["shape"])
+        scale = min(4.0, max(0.2, math.sqrt(float(found["area"]) / area)))
+        if found.get("centroid"):
+            x, y = found["centroid"][0] - dx * scale, found["centroid"][1] - dy * scale
+        else:
+            x, y = found["centre"]
         spec.update(
             shape=found["shape"],
             colour=found["colour"],
-            x=round(float(found["centre"][0]), 4),
-            y=round(float(found["centre"][1]), 4),
-            scale=round(min(4.0, max(0.2, scale)), 4),
+            x=round(float(x), 4),
+            y=round(float(y), 4),
+            scale=round(scale, 4),
         )
     return spec
 

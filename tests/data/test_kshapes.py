@@ -275,6 +275,9 @@ def test_attribute_prompts_cover_every_pair_and_name_all_four(small_set):
             for t in ATTRIBUTE_PROMPT_TEMPLATES
         }
     assert len({r["background"] for r in rows}) > 3 and len({r["position"] for r in rows}) == 3
+    first = rows[: len(COLOURS) * len(SHAPES)]  # each pair once, in a seeded order (for --limit)
+    assert len({(r["colour"], r["shape"]) for r in first}) == len(first)
+    assert len({r["colour"] for r in rows[:8]}) >= 4
     other = attribute_prompts(KShapesConfig(out=small_set, seed=cfg.seed + 1))
     assert other != rows  # a function of the seed
 

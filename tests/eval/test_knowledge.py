@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from rapiddiff.cli import main
-from rapiddiff.data.kshapes import ENTITIES, SHAPES, ShapeSpec, render
+from rapiddiff.data.kshapes import COLOURS, ENTITIES, SHAPES, ShapeSpec, render
 from rapiddiff.eval.knowledge import evaluate_knowledge, markdown_table, read_knowledge_prompts
 from rapiddiff.eval.sample import SampleSettings
 
@@ -332,7 +332,11 @@ def test_attribute_split_scores_all_four_and_render_consistency(tmp_path):
 
     _, cfg = _kshapes_folder(tmp_path)
     every = attribute_prompts(cfg)
-    prompts = [every[6 * k + k % 6] for k in range(8)]  # every colour, every shape
+    # every colour, every shape
+    prompts = [
+        next(p for p in every if (p["colour"], p["shape"]) == (c, SHAPES[k % 6]))
+        for k, c in enumerate(COLOURS)
+    ]
     record = evaluate_knowledge(
         AttributeOracle(prompts), prompts, tmp_path / "run", SampleSettings(model="oracle"), batch_size=4
     )

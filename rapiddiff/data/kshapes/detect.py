@@ -186,7 +186,7 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
     axis = vectors[:, -1]  # the principal axis (largest eigenvalue)
     result.update(
         centre=[float(xs.min() + xs.max() + 1) / (2 * w), float(ys.min() + ys.max() + 1) / (2 * h)],
-        centroid=[float(cx), float(cy)],
+        centroid=[float(xs.mean() + 0.5) / w, float(ys.mean() + 0.5) / h],  # pixel centres
         orientation=float(np.degrees(np.arctan2(axis[1], axis[0])) % 180.0),
         colour=_nearest(obj, COLOUR_LAB),
         shape=classify_shape(shape_features(mask)),

@@ -236,9 +236,14 @@ def attribute_prompts(cfg: KShapesConfig) -> list[dict[str, Any]]:
     the kshapes config alone, so a folder written before this file existed gets the same prompts
     from its kshapes.yaml (``rapiddiff eval knowledge --splits attribute`` does that)."""
     rng = np.random.default_rng([cfg.seed, 97])
+    pairs = [(c, s) for c in COLOURS for s in SHAPES]
+    # Every pair once, in a seeded order, then again: the first N prompts (``--limit N``) are a
+    # spread of colours and shapes, not all red.
+    order = [int(i) for i in rng.permutation(len(pairs))]
     prompts = []
-    for i, (colour, shape) in enumerate((c, s) for c in COLOURS for s in SHAPES):
-        for k in range(cfg.prompts_per_entity):
+    for k in range(cfg.prompts_per_entity):
+        for i in order:
+            colour, shape = pairs[i]
             position = _pick(rng, LAYOUTS[cfg.layout])[0]
             background = _pick(rng, compatible_backgrounds(colour))
             template = ATTRIBUTE_PROMPT_TEMPLATES[(i + k) % len(ATTRIBUTE_PROMPT_TEMPLATES)]
