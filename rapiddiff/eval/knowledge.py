@@ -452,7 +452,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Knowledge accuracy on kshapes: generate for prompts naming seen and held-out entities, knowledge "
         "on and off (same seeds), read colour and shape off every image with the kshapes detector, and "
         "report accuracy (colour, shape, both) per split × knowledge as markdown and JSON "
-        "(RUN/knowledge.md, RUN/metrics/knowledge.json)."
+        "(RUN/knowledge.md, RUN/metrics/knowledge.json). Split 'attribute' asks for attribute captions "
+        "(colour, shape, background, position: all four scored). Every image also gets a render-"
+        "consistency score: PSNR/SSIM against kshapes' renderer drawing what the detector read "
+        "(pairs in RUN/render_consistency.png)."
     )
     parser.add_argument("--model", required=True, type=Path, help="model folder trained on kshapes")
     parser.add_argument(
