@@ -724,9 +724,10 @@ def summarise_seeds(out: Path, seeds: list[int]) -> dict[str, Any]:
     lines = [f"# kshapes chain, seeds {', '.join(map(str, seeds))}: mean ± sd over seeds", "",
              "| measure | mean ± sd | n | per seed |", "|---|---:|---:|---|"]  # fmt: skip
     for name, t in table.items():
-        sd = f" ± {t['sd']:.2f}" if t["sd"] is not None else ""
-        per = ", ".join(f"{s}: {v:.2f}" for s, v in t["values"].items())
-        lines.append(f"| {name} | {t['mean']:.2f}{sd} | {t['n']} | {per} |")
+        d = 4 if name.endswith("SSIM") else 2  # SSIM lives near 1: two decimals would hide it
+        sd = f" ± {t['sd']:.{d}f}" if t["sd"] is not None else ""
+        per = ", ".join(f"{s}: {v:.{d}f}" for s, v in t["values"].items())
+        lines.append(f"| {name} | {t['mean']:.{d}f}{sd} | {t['n']} | {per} |")
     lines += [
         "",
         f"Seed to ship (best on the validation KG-only entities, `{select}`): {best} (scores {scored}).",

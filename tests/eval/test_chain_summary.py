@@ -68,6 +68,7 @@ def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_
     md = (tmp_path / "summary.md").read_text(encoding="utf-8")
     assert "| U-Net on | attribute | knowledge on | all % | 25.00 ± 7.07 | 2 |" in md
     assert "| U-Net on | heldout | TransE (on) / ceiling both, ratio % | 82.50 ± 10.61 | 2 |" in md
+    assert "| U-Net on | attribute | knowledge on | render SSIM | 0.8800 ± 0.0000 | 2 |" in md
     assert summary["selection"]["best_seed"] == 1
 
 
