@@ -15,11 +15,11 @@ measure's mean ± sd over the seeds and the seed to ship — chosen on the *vali
 entities (knowledge on, both attributes right), never on the test held-out ones.
 
 The evaluation (`rapiddiff eval knowledge` on the knowledge-on U-Net) runs the knowledge modes on
-(the model's own: embed), off, text and both, on the seen / held-out / validation entities and on
-the attribute captions (split "attribute", ``eval_attribute``: colour, shape, background, position
-and all four — the base generator's own test), and reports render consistency (PSNR / SSIM of
-every image against kshapes' re-render of what the detector read; a grid of pairs in
-results/knowledge_unet-on/render_consistency.png). The summary's "TransE / ceiling" ratio divides
+(the model's own: embed), off, text and both on the seen / held-out / validation entities, and on
+and off on the attribute captions (split "attribute", ``eval_attribute``, results/
+knowledge_attribute_unet-on: colour, shape, background, position and all four — the base
+generator's own test); every run reports render consistency (PSNR / SSIM of every image against
+kshapes' re-render of what the detector read; a grid of pairs in RUN/render_consistency.png). The summary's "TransE / ceiling" ratio divides
 held-out both-accuracy with knowledge on by the better of "text" and "both": the U-Net was trained
 with the attribute words' own TransE vectors fused in (attribute words are KG entities), so "text"
 alone — expanded words, vectors off — is off-distribution for it and scored at chance even on seen
@@ -329,13 +329,17 @@ class Chain:
         # fuses the vectors: the better of the two is the ceiling for "on" (module docstring).
         on_modes = "on,off,text,both" if self.cfg.eval_text_mode else "on,off"
         entities = "seen,heldout,val"
-        splits = f"{entities},attribute" if self.cfg.eval_attribute else entities
-        runs = {"knowledge_unet-on": ("unet_on", self.data, on_modes, splits)}
+        runs = {"knowledge_unet-on": ("unet_on", self.data, on_modes, entities)}
         if self.cfg.train_off:
-            runs["knowledge_unet-off"] = ("unet_off", self.data, "off", splits)
+            runs["knowledge_unet-off"] = ("unet_off", self.data, "off", entities)
         if self.cfg.eval_robust:
             robust = self.data / "prompts_robust.jsonl"
             runs["knowledge_robust_unet-on"] = ("unet_on", robust, "on,off", entities)
+        if self.cfg.eval_attribute:
+            # Knowledge on and off only: an attribute caption names no entity with colour / shape
+            # facts (the attribute words' KG facts are 类别 / 色调), so "text" expands nothing and
+            # equals "off", and "both" equals "on" (so they measured on a CPU check) — half the images.
+            runs["knowledge_attribute_unet-on"] = ("unet_on", self.data, "on,off", "attribute")
         jobs = {}
         for name, (model, prompts, modes, names) in runs.items():
             target = self.results / name
@@ -642,12 +646,14 @@ def seed_measures(run: Path) -> dict[str, float]:
     """Every number one seed's chain produced, flat: "knowledge heldout on both" → 46.2, ..."""
     results = run / "results"
     found: dict[str, float] = {}
-    for name in ("knowledge_unet-on", "knowledge_unet-off", "knowledge_robust_unet-on"):
+    labels = {"knowledge_unet-on": "U-Net on", "knowledge_unet-off": "U-Net off",
+              "knowledge_robust_unet-on": "U-Net on, robust prompts",
+              # its rows are split "attribute": "U-Net on | attribute | ..." names no other run's row
+              "knowledge_attribute_unet-on": "U-Net on"}  # fmt: skip
+    for name, label in labels.items():
         path = results / name / "metrics" / "knowledge.json"
         if not path.exists():
             continue
-        label = {"knowledge_unet-on": "U-Net on", "knowledge_unet-off": "U-Net off",
-                 "knowledge_robust_unet-on": "U-Net on, robust prompts"}[name]  # fmt: skip
         for row in json.loads(path.read_text("utf-8"))["table"]:
             split = row["split"] + (f" {row['variant']}" if row.get("variant") else "")
             where = f"{label} | {split} | knowledge {row['knowledge']}"

@@ -27,19 +27,24 @@ def _row(split, mode, both, **extra):
 
 
 def _seed(out: Path, seed: int, text: float, both: float, embed: float, attribute_all: float) -> None:
-    folder = out / f"seed-{seed}" / "results" / "knowledge_unet-on" / "metrics"
-    folder.mkdir(parents=True)
-    table = [
-        _row("heldout", "on", embed, psnr=24.0 + seed, ssim=0.9),
-        _row("heldout", "text", text, psnr=23.0, ssim=0.8),
-        _row("heldout", "both", both, psnr=25.0, ssim=0.95),
-        _row("val", "on", 30.0 + seed),
-        _row(
-            "attribute", "on", 60.0, background=40.0, position=90.0, all=attribute_all, psnr=22.0, ssim=0.88
-        ),
-        _row("heldout", "on", 1.0, variant="alias"),  # per-variant rows: only "both"
-    ]
-    (folder / "knowledge.json").write_text(json.dumps({"table": table}), encoding="utf-8")
+    results = out / f"seed-{seed}" / "results"
+    attribute = {"background": 40.0, "position": 90.0, "all": attribute_all, "psnr": 22.0, "ssim": 0.88}
+    tables = {
+        "knowledge_unet-on": [
+            _row("heldout", "on", embed, psnr=24.0 + seed, ssim=0.9),
+            _row("heldout", "text", text, psnr=23.0, ssim=0.8),
+            _row("heldout", "both", both, psnr=25.0, ssim=0.95),
+            _row("val", "on", 30.0 + seed),
+            _row("heldout", "on", 1.0, variant="alias"),  # per-variant rows: only "both"
+        ],
+        "knowledge_attribute_unet-on": [
+            _row("attribute", "on", 60.0, **attribute),
+            _row("attribute", "off", 5.0, **{**attribute, "all": 1.0}),
+        ],
+    }
+    for name, table in tables.items():
+        (results / name / "metrics").mkdir(parents=True)
+        (results / name / "metrics" / "knowledge.json").write_text(json.dumps({"table": table}), "utf-8")
 
 
 def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_both(chain, tmp_path):
@@ -57,6 +62,7 @@ def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_
     assert m0["U-Net on | attribute | knowledge on | position %"] == 90.0
     assert m0["U-Net on | heldout | knowledge both | render PSNR dB"] == 25.0
     assert m0["U-Net on | attribute | knowledge on | render SSIM"] == 0.88
+    assert m0["U-Net on | attribute | knowledge off | all %"] == 1.0
     assert "U-Net on | heldout | knowledge on | background %" not in m0  # only the attribute split's
     assert "U-Net on | heldout alias | knowledge on | both %" in m0
     assert not any(k.startswith("U-Net on | heldout alias") and "render" in k for k in m0)
@@ -84,13 +90,18 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
         return cmd[cmd.index(flag) + 1]
 
     on = jobs["knowledge_unet-on"]
-    assert arg(on, "--modes") == "on,off,text,both" and arg(on, "--splits") == "seen,heldout,val,attribute"
+    assert arg(on, "--modes") == "on,off,text,both" and arg(on, "--splits") == "seen,heldout,val"
     robust = jobs["knowledge_robust_unet-on"]
     assert arg(robust, "--splits") == "seen,heldout,val" and arg(robust, "--modes") == "on,off"
+    attribute = jobs["knowledge_attribute_unet-on"]
+    assert arg(attribute, "--splits") == "attribute" and arg(attribute, "--modes") == "on,off"
+    assert arg(attribute, "--kshapes") == str(tmp_path / "data") and arg(attribute, "--model").endswith(
+        "unet_on"
+    )
     jobs.clear()
     cfg.eval_attribute = cfg.eval_text_mode = False
     run2 = chain.Chain(tmp_path / "b", cfg, smoke=True)
     monkeypatch.setattr(run2, "run_parallel", lambda batch: jobs.update(batch))
     run2.evaluate()
-    assert arg(jobs["knowledge_unet-on"], "--splits") == "seen,heldout,val"
     assert arg(jobs["knowledge_unet-on"], "--modes") == "on,off"
+    assert "knowledge_attribute_unet-on" not in jobs
