@@ -7,9 +7,21 @@ shape, both) are tabulated for seen / held-out entities × knowledge on / off. H
 entities never appear in a training caption: only the KG can tell the model their colour and
 shape, so "held-out, on" against "held-out, off" is the number that shows what knowledge adds.
 
+Split "attribute" (``--splits attribute``) tests the base generator: attribute captions in the
+training templates that name colour, shape, background and position ("浅蓝色背景的左边有一个红色的
+三角形"), every colour × shape pair, from ``prompts_attribute.jsonl`` (written by `rapiddiff data
+kshapes`; for a folder written before that file existed, the same prompts are made from its
+kshapes.yaml). Every image is also scored on background and position (where the prompt names
+them) and on "all" (every attribute it names right: all four for the attribute split).
+
+Render consistency (:mod:`rapiddiff.eval.consistency`): what the detector read off each image is
+re-rendered by kshapes' own renderer, and the image's PSNR / SSIM against that re-render are
+tabulated per split × knowledge mode — how close the images are to the crisp, flat renders; a grid
+of generated | re-render pairs is written to ``RUN/render_consistency.png``.
+
 Layout: ``RUN/knowledge_on/`` and ``RUN/knowledge_off/`` are ordinary eval runs (images,
 index.jsonl, detections.jsonl); ``RUN/metrics/knowledge.json`` and ``RUN/knowledge.md`` hold the
-table. Generation is batched and resumable like ``eval sample``.
+tables. Generation is batched and resumable like ``eval sample``.
 """
 
 from __future__ import annotations
@@ -30,20 +42,41 @@ log = get_logger(__name__)
 
 SPLITS = ("seen", "heldout")
 """The splits evaluated by default: seen entities and the test held-out (KG-only) ones."""
-ALL_SPLITS = (*SPLITS, "val")
-"""... and "val": the validation KG-only entities (select checkpoints on these, never on "heldout")."""
+ALL_SPLITS = (*SPLITS, "val", "attribute")
+"""... "val": the validation KG-only entities (select checkpoints on these, never on "heldout"), and
+"attribute": attribute captions naming colour, shape, background and position (no entity)."""
 MODES = {"on": True, "off": False, "embed": True, "text": True, "both": True}
 """on: knowledge in the model's own mode (embed unless its folder says otherwise); off: the base
 encoder; embed / text / both: that knowledge mode (text: the KG facts spelled into the prompt, the
 honest ceiling for the vector path; :mod:`rapiddiff.models.expansion`)."""
 REQUIRED = ("text", "entity", "colour", "shape", "split")
+REQUIRED_ATTRIBUTE = ("text", "colour", "shape", "background", "position", "split")
+"""An attribute-split record names no entity; it must say every attribute it asks for."""
+ATTRIBUTE_FILE = "prompts_attribute.jsonl"
 
 
 def read_knowledge_prompts(kshapes: str | Path, splits: Sequence[str] = SPLITS) -> list[dict[str, Any]]:
-    """``kshapes/prompts.jsonl`` (or a prompts file given directly), checked field by field."""
+    """``kshapes/prompts.jsonl`` (or a prompts file given directly), checked field by field.
+
+    Split "attribute" comes from the file given, or from a folder's ``prompts_attribute.jsonl``;
+    a kshapes folder without that file (written before it existed) gets the same prompts made
+    from its ``kshapes.yaml`` (:func:`rapiddiff.data.kshapes.generate.attribute_prompts`)."""
     path = Path(kshapes)
-    if path.is_dir():
-        path = path / "prompts.jsonl"
+    folder = path if path.is_dir() else None
+    if folder is not None:
+        path = folder / "prompts.jsonl"
+    rows: list[dict[str, Any]] = []
+    if folder is None or any(s != "attribute" for s in splits):
+        rows = _read_checked(path)
+    rows = [r for r in rows if r["split"] in splits]
+    if "attribute" in splits and folder is not None and not any(r["split"] == "attribute" for r in rows):
+        rows += _attribute_prompts(folder)
+    if not rows:
+        raise ValueError(f"{path}: no prompts for split(s) {', '.join(splits)}")
+    return rows
+
+
+def _read_checked(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: --kshapes must be a folder written by `rapiddiff data kshapes` "
@@ -51,26 +84,47 @@ def read_knowledge_prompts(kshapes: str | Path, splits: Sequence[str] = SPLITS) 
         )
     rows = read_jsonl(path)
     for number, row in enumerate(rows, start=1):
-        missing = [k for k in REQUIRED if not row.get(k)]
+        required = REQUIRED_ATTRIBUTE if row.get("split") == "attribute" else REQUIRED
+        missing = [k for k in required if not row.get(k)]
         if missing:
             raise ValueError(
-                f"{path}: record {number} lacks {', '.join(missing)} (needs {', '.join(REQUIRED)})"
+                f"{path}: record {number} lacks {', '.join(missing)} (needs {', '.join(required)})"
             )
         if row["split"] not in ALL_SPLITS:
             raise ValueError(
                 f"{path}: record {number}: split {row['split']!r} is not one of {', '.join(ALL_SPLITS)}"
             )
-    rows = [r for r in rows if r["split"] in splits]
-    if not rows:
-        raise ValueError(f"{path}: no prompts for split(s) {', '.join(splits)}")
+    return rows
+
+
+def _attribute_prompts(folder: Path) -> list[dict[str, Any]]:
+    """The attribute split of a kshapes folder: its prompts_attribute.jsonl, else made from its
+    kshapes.yaml (the same prompts `rapiddiff data kshapes` writes today for that config)."""
+    if (folder / ATTRIBUTE_FILE).is_file():
+        return [r for r in _read_checked(folder / ATTRIBUTE_FILE) if r["split"] == "attribute"]
+    config = folder / "kshapes.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(
+            f"{folder}: neither {ATTRIBUTE_FILE} nor kshapes.yaml: split 'attribute' needs a folder written "
+            "by `rapiddiff data kshapes` (rewrite it with the same --seed, or leave 'attribute' out of --splits)"
+        )
+    from rapiddiff.data.kshapes.generate import KShapesConfig, attribute_prompts
+    from rapiddiff.utils.config import load_config
+
+    cfg = load_config(KShapesConfig, config)
+    rows = attribute_prompts(cfg)
+    log.info("%s has no %s: %d attribute prompts made from its kshapes.yaml (seed %d)",
+             folder, ATTRIBUTE_FILE, len(rows), cfg.seed)  # fmt: skip
     return rows
 
 
 def score_run(
     run_dir: Path, detect: Callable[[Any], dict[str, Any]] | None = None, *, workers: int | None = None
 ) -> list[dict[str, Any]]:
-    """Detect colour and shape on every image of a run; one record per image (also written to
-    ``detections.jsonl``). ``detect`` defaults to the kshapes detector, which can run in
+    """Detect colour, shape, background and position on every image of a run, and measure its
+    render consistency (:func:`rapiddiff.eval.consistency.render_consistency`, when the detector
+    gives the object's geometry); one record per image (also written to ``detections.jsonl``).
+    ``detect`` defaults to the kshapes detector, which can run in
     ``workers`` processes (it is numpy/scipy on one image: processes, not threads, use the cores;
     None: up to 8 for runs of 200 images or more, else in-process)."""
     from tqdm.auto import tqdm
@@ -99,19 +153,34 @@ def _detect_one(
     task: tuple[str, dict[str, Any]], detect: Callable[[Any], dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     from rapiddiff.eval.common import open_rgb
+    from rapiddiff.eval.consistency import render_consistency
 
-    if detect is None:
-        from rapiddiff.data.kshapes import detect_attributes as detect
     run_dir, row = task
-    found = detect(open_rgb(Path(run_dir) / row["file"]))
+    image = open_rgb(Path(run_dir) / row["file"])
+    if detect is None:
+        from rapiddiff.data.kshapes import detect_attributes
+
+        # Positions are read on the layout the prompt was written for (row3 unless it says).
+        found = detect_attributes(image, layout=row.get("layout") or "row3")
+    else:
+        found = detect(image)
     colour_ok, shape_ok = found.get("colour") == row["colour"], found.get("shape") == row["shape"]
+    # Background and position count where the prompt names them (None: not asked).
+    background_ok = found.get("background") == row["background"] if row.get("background") else None
+    position_ok = found.get("position") == row["position"] if row.get("position") else None
     return {
         **row,
         "detected_colour": found.get("colour"),
         "detected_shape": found.get("shape"),
+        "detected_background": found.get("background"),
+        "detected_position": found.get("position"),
         "colour_ok": colour_ok,
         "shape_ok": shape_ok,
         "both_ok": colour_ok and shape_ok,
+        "background_ok": background_ok,
+        "position_ok": position_ok,
+        "all_ok": colour_ok and shape_ok and background_ok is not False and position_ok is not False,
+        **render_consistency(image, found),
     }
 
 
@@ -148,9 +217,25 @@ def accuracy_table(
     return rows
 
 
+def _percent(values: list[bool | None]) -> float | None:
+    """Percent true over the values that are not None (None: nothing was asked)."""
+    asked = [v for v in values if v is not None]
+    return 100.0 * sum(asked) / len(asked) if asked else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _label(row: dict[str, Any]) -> str:
+    """The entity a record is about; for attribute captions, the colour × shape pair."""
+    return row.get("entity") or f"{row['colour']}的{row['shape']}"
+
+
 def _accuracy_row(subset: list[dict[str, Any]], split: str, mode: str, variant: str | None) -> dict[str, Any]:
     n = len(subset)
-    entities = {r["entity"] for r in subset}
+    entities = {_label(r) for r in subset}
     return {
         "split": split,
         **({"variant": variant} if variant is not None else {}),
@@ -162,6 +247,13 @@ def _accuracy_row(subset: list[dict[str, Any]], split: str, mode: str, variant: 
         "both": 100.0 * sum(r["both_ok"] for r in subset) / n,
         "both_ci95": list(wilson_interval(sum(r["both_ok"] for r in subset), n)),  # JSON-shaped
         "no_object": sum(r["detected_colour"] is None for r in subset),
+        # Over the prompts that name them (None: none does); "all": every attribute named, right.
+        "background": _percent([r.get("background_ok") for r in subset]),
+        "position": _percent([r.get("position_ok") for r in subset]),
+        "all": _percent([r.get("all_ok") for r in subset]),
+        # Render consistency: the image against the re-render of what the detector read.
+        "psnr": _mean([r.get("psnr") for r in subset]),
+        "ssim": _mean([r.get("ssim") for r in subset]),
     }
 
 
@@ -170,7 +262,7 @@ def per_entity(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, di
     for mode, records in records_by_mode.items():
         groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in records:
-            groups[r["entity"]].append(r)
+            groups[_label(r)].append(r)
         for entity, rs in groups.items():
             table[entity]["split"] = rs[0]["split"]
             table[entity]["expected"] = {"colour": rs[0]["colour"], "shape": rs[0]["shape"]}
@@ -202,6 +294,60 @@ def markdown_table(rows: Sequence[dict[str, Any]], chance: dict[str, float] | No
     return "\n".join(lines)
 
 
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def attribute_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Every attribute the prompts name, per split × knowledge (no per-variant rows): colour,
+    shape, background, position (over prompts naming one) and "all named" — all four for split
+    "attribute" (the base generator's figure)."""
+    lines = [
+        "| prompts | knowledge | images | colour % | shape % | background % | position % | all named % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "variant" not in r:
+            lines.append(
+                f"| {r['split']} ({r['entities']}) | {r['knowledge']} | {r['images']} | {r['colour']:.1f} | "
+                f"{r['shape']:.1f} | {_fmt(r.get('background'))} | {_fmt(r.get('position'))} | "
+                f"{_fmt(r.get('all'))} |"
+            )
+    return "\n".join(lines)
+
+
+def consistency_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Mean PSNR / SSIM of the images against the re-render of what the detector read."""
+    lines = ["| prompts | knowledge | images | PSNR dB | SSIM |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        if "variant" not in r:
+            lines.append(
+                f"| {r['split']} ({r['entities']}) | {r['knowledge']} | {r['images']} | "
+                f"{_fmt(r.get('psnr'), 2)} | {_fmt(r.get('ssim'), 4)} |"
+            )
+    return "\n".join(lines)
+
+
+def knowledge_markdown(record: dict[str, Any]) -> str:
+    """RUN/knowledge.md: the accuracy table, every attribute asked for, render consistency."""
+    from rapiddiff.eval.consistency import SSIM
+
+    rows = record["table"]
+    parts = [markdown_table(rows, record["details"]["chance"])]
+    parts += [
+        "\nEvery attribute the prompts name (background and position over the prompts that name "
+        "them; split attribute: all four):\n",
+        attribute_table(rows),
+    ]
+    grid = record["details"].get("render_grid")
+    parts += [
+        "\nRender consistency: each image against kshapes' renderer drawing what the detector read "
+        f"off it (PSNR over RGB; SSIM: {SSIM}){f'; pairs in {grid}' if grid else ''}:\n",
+        consistency_table(rows),
+    ]
+    return "\n".join(parts)
+
+
 def evaluate_knowledge(
     pipe: Any,
     prompts: Sequence[dict[str, Any]],
@@ -219,6 +365,7 @@ def evaluate_knowledge(
     out = Path(out)
     jobs = plan_jobs(prompts, settings.images_per_prompt, settings.seed)
     records: dict[str, list[dict[str, Any]]] = {}
+    run_dirs: dict[str, Path] = {}
     timings = {}
     for mode in modes:
         run_dir = out / f"knowledge_{mode}"
@@ -228,6 +375,10 @@ def evaluate_knowledge(
                 pipe, jobs, run_dir, mode_settings, batch_size=batch_size, overwrite=overwrite, info=info
             )
         records[mode] = score_run(run_dir, detect, workers=workers)
+        run_dirs[mode] = run_dir
+    from rapiddiff.eval.consistency import SSIM, write_grid
+
+    grid = write_grid(run_dirs, records, out / "render_consistency.png", splits=ALL_SPLITS)
     rows = accuracy_table(records, by_variant=any(p.get("variant") for p in prompts))
     has_store = getattr(getattr(pipe, "text_encoder", None), "store", None) is not None
     warnings = (
@@ -262,13 +413,17 @@ def evaluate_knowledge(
             "images_per_mode": len(jobs),
             "timings": timings,
             "per_entity": per_entity(records),
+            "render_consistency": {
+                "renderer": "rapiddiff.data.kshapes.render (what the detector read, re-rendered)",
+                "psnr": "RGB, data range 255, capped at 100 dB",
+                "ssim": SSIM,
+            },
+            "render_grid": grid.name if grid else None,
             **(info or {}),
         },
     )
     write_json(out / METRICS_DIR / "knowledge.json", record)
-    (out / "knowledge.md").write_text(
-        markdown_table(rows, record["details"]["chance"]) + "\n", encoding="utf-8"
-    )
+    (out / "knowledge.md").write_text(knowledge_markdown(record) + "\n", encoding="utf-8")
     return record
 
 
@@ -297,7 +452,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Knowledge accuracy on kshapes: generate for prompts naming seen and held-out entities, knowledge "
         "on and off (same seeds), read colour and shape off every image with the kshapes detector, and "
         "report accuracy (colour, shape, both) per split × knowledge as markdown and JSON "
-        "(RUN/knowledge.md, RUN/metrics/knowledge.json)."
+        "(RUN/knowledge.md, RUN/metrics/knowledge.json). Split 'attribute' asks for attribute captions "
+        "(colour, shape, background, position: all four scored). Every image also gets a render-"
+        "consistency score: PSNR/SSIM against kshapes' renderer drawing what the detector read "
+        "(pairs in RUN/render_consistency.png)."
     )
     parser.add_argument("--model", required=True, type=Path, help="model folder trained on kshapes")
     parser.add_argument(
@@ -307,8 +465,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--splits",
         default="seen,heldout",
-        help="which entity splits: seen, heldout (test KG-only), val (validation KG-only; select "
-        "checkpoints on it) (default: seen,heldout)",
+        help="which prompt splits: seen, heldout (test KG-only), val (validation KG-only; select "
+        "checkpoints on it), attribute (attribute captions naming colour, shape, background and "
+        "position: the base generator) (default: seen,heldout)",
     )
     parser.add_argument(
         "--modes",
@@ -359,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         info={"kshapes": str(args.kshapes), "fast": args.fast, "model_config": model_config(args.model)},
     )
-    print(markdown_table(record["table"], record["details"]["chance"]))
+    print(knowledge_markdown(record))
     for w in record["warnings"]:
         print(f"warning: {w}")
     print(f"→ {args.out / METRICS_DIR / 'knowledge.json'}")

@@ -27,6 +27,7 @@ from rapiddiff.data.kshapes import (
     render,
 )
 from rapiddiff.data.kshapes.captions import (
+    ATTRIBUTE_PROMPT_TEMPLATES,
     ATTRIBUTE_TEMPLATES,
     DISTRACTOR_TEMPLATES,
     ENTITY_TEMPLATES,
@@ -249,6 +250,47 @@ def test_robust_prompts_cover_every_variant_and_are_no_training_caption(small_se
             d = entities[r["distractor"]]
             assert r["distractor"] in text and d["colour"] != info["colour"] and d["shape"] != info["shape"]
             assert not d["heldout"] and not d["validation"]
+
+
+def test_attribute_prompts_cover_every_pair_and_name_all_four(small_set):
+    """prompts_attribute.jsonl: every colour × shape pair, on training attribute templates that name
+    background and position, a background the colour may be drawn on, a position of the layout; the
+    same prompts come back from the folder's kshapes.yaml alone (how older folders get them)."""
+    from rapiddiff.data.kshapes.generate import attribute_prompts
+    from rapiddiff.utils.config import load_config
+
+    rows = _read_jsonl(small_set / "prompts_attribute.jsonl")
+    cfg = load_config(KShapesConfig, small_set / "kshapes.yaml")
+    assert rows == attribute_prompts(cfg)
+    assert {(r["colour"], r["shape"]) for r in rows} == set(itertools.product(COLOURS, SHAPES))
+    assert len(rows) == len(COLOURS) * len(SHAPES) * cfg.prompts_per_entity
+    assert set(ATTRIBUTE_PROMPT_TEMPLATES) <= set(ATTRIBUTE_TEMPLATES)
+    assert all("{bg}" in t and "{pos}" in t for t in ATTRIBUTE_PROMPT_TEMPLATES)
+    positions = {name for name, _, _ in LAYOUTS[cfg.layout]}
+    for r in rows:
+        assert r["split"] == "attribute" and r["entity"] is None and r["layout"] == cfg.layout
+        assert r["background"] in compatible_backgrounds(r["colour"]) and r["position"] in positions
+        assert r["text"] in {
+            t.format(bg=r["background"], pos=r["position"], c=r["colour"], s=r["shape"])
+            for t in ATTRIBUTE_PROMPT_TEMPLATES
+        }
+    assert len({r["background"] for r in rows}) > 3 and len({r["position"] for r in rows}) == 3
+    first = rows[: len(COLOURS) * len(SHAPES)]  # each pair once, in a seeded order (for --limit)
+    assert len({(r["colour"], r["shape"]) for r in first}) == len(first)
+    assert len({r["colour"] for r in rows[:8]}) >= 4
+    other = attribute_prompts(KShapesConfig(out=small_set, seed=cfg.seed + 1))
+    assert other != rows  # a function of the seed
+
+
+def test_detector_gives_the_geometry_a_re_render_needs():
+    spec = ShapeSpec("三角形", "红色", "浅蓝色", 0.3, 0.6, scale=1.05)
+    got = detect_attributes(render(spec, 128))
+    assert abs(got["centre"][0] - 0.3) < 0.01 and abs(got["centre"][1] - 0.6) < 0.01
+    assert got["centroid"][1] > got["centre"][1]  # a triangle's mass sits below its box's centre
+    bar = detect_attributes(render(ShapeSpec("长条形", "蓝色", "米色", 0.5, 0.5), 128))
+    assert min(bar["orientation"], 180 - bar["orientation"]) < 2  # bars lie horizontally
+    empty = detect_attributes(Image.new("RGB", (64, 64), BACKGROUNDS["米色"][0]))
+    assert empty["centre"] is None and empty["orientation"] is None
 
 
 def _fresh_specs(n: int, seed: int, layout: str = "row3") -> list[tuple[ShapeSpec, str]]:

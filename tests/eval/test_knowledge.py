@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from rapiddiff.cli import main
-from rapiddiff.data.kshapes import ENTITIES, SHAPES, ShapeSpec, render
+from rapiddiff.data.kshapes import COLOURS, ENTITIES, SHAPES, ShapeSpec, render
 from rapiddiff.eval.knowledge import evaluate_knowledge, markdown_table, read_knowledge_prompts
 from rapiddiff.eval.sample import SampleSettings
 
@@ -262,3 +262,104 @@ def test_knowledge_modes_validation_split_and_variants_are_tabulated(tmp_path):
     assert (
         record["value"] == rows[("heldout", None, "embed")]["both"]
     )  # the headline: first mode's overall row
+
+
+class AttributeOracle:
+    """Draws attribute captions with the kshapes renderer at the prompt's position: all four right
+    with knowledge on; with it off, on the wrong background (so background and "all" must drop
+    while colour, shape and position stay)."""
+
+    def __init__(self, prompts):
+        from rapiddiff.data.kshapes import LAYOUTS
+
+        self.by_text = {p["text"]: p for p in prompts}
+        self.centres = {name: (x, y) for name, x, y in LAYOUTS["row3"]}
+        self.text_encoder = SimpleNamespace(store=object())
+
+    def __call__(self, prompts, *, seed, knowledge=True, **kwargs):
+        from rapiddiff.data.kshapes.palette import compatible_backgrounds
+
+        images = []
+        for text in prompts:
+            p = self.by_text[text]
+            background = p["background"]
+            if not knowledge:
+                background = next(b for b in compatible_backgrounds(p["colour"]) if b != background)
+            x, y = self.centres[p["position"]]
+            images.append(render(ShapeSpec(p["shape"], p["colour"], background, x, y), 64))
+        return SimpleNamespace(images=images, seeds=list(seed))
+
+
+def _kshapes_folder(tmp_path, seed=3):
+    from rapiddiff.data.kshapes import KShapesConfig
+    from rapiddiff.utils.config import save_config
+
+    folder = tmp_path / "ks"
+    folder.mkdir()
+    (folder / "prompts.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in _prompts(1, 1)), encoding="utf-8"
+    )
+    cfg = KShapesConfig(out=folder, seed=seed, prompts_per_entity=1)
+    save_config(cfg, folder / "kshapes.yaml")
+    return folder, cfg
+
+
+def test_attribute_split_comes_from_the_file_or_from_an_old_folders_config(tmp_path):
+    from rapiddiff.data.kshapes.generate import attribute_prompts
+
+    folder, cfg = _kshapes_folder(tmp_path)
+    # A folder written before prompts_attribute.jsonl existed: the prompts are made from kshapes.yaml.
+    rows = read_knowledge_prompts(folder, ["seen", "attribute"])
+    assert [r["split"] for r in rows[:1]] == ["seen"] and rows[1:] == attribute_prompts(cfg)
+    assert len(rows) == 1 + 48
+    # The file, when there, is what counts (and is checked like prompts.jsonl).
+    (folder / "prompts_attribute.jsonl").write_text(
+        json.dumps(rows[1], ensure_ascii=False) + "\n" + json.dumps({**rows[2], "position": None}) + "\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ValueError, match=r"prompts_attribute\.jsonl: record 2 lacks position"):
+        read_knowledge_prompts(folder, ["attribute"])
+    (folder / "prompts_attribute.jsonl").write_text(json.dumps(rows[1], ensure_ascii=False) + "\n")
+    assert read_knowledge_prompts(folder, ["attribute"]) == [rows[1]]
+    (folder / "prompts_attribute.jsonl").unlink()
+    (folder / "kshapes.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match=r"neither prompts_attribute\.jsonl nor kshapes\.yaml"):
+        read_knowledge_prompts(folder, ["attribute"])
+
+
+def test_attribute_split_scores_all_four_and_render_consistency(tmp_path):
+    from rapiddiff.data.kshapes.generate import attribute_prompts
+
+    _, cfg = _kshapes_folder(tmp_path)
+    every = attribute_prompts(cfg)
+    # every colour, every shape
+    prompts = [
+        next(p for p in every if (p["colour"], p["shape"]) == (c, SHAPES[k % 6]))
+        for k, c in enumerate(COLOURS)
+    ]
+    record = evaluate_knowledge(
+        AttributeOracle(prompts), prompts, tmp_path / "run", SampleSettings(model="oracle"), batch_size=4
+    )
+    rows = {r["knowledge"]: r for r in record["table"]}
+    assert set(rows) == {"on", "off"} and all(r["split"] == "attribute" for r in rows.values())
+    on, off = rows["on"], rows["off"]
+    assert (on["colour"], on["shape"], on["background"], on["position"], on["all"]) == (100.0,) * 5
+    assert (off["colour"], off["shape"], off["position"], off["background"], off["all"]) == (
+        100.0, 100.0, 100.0, 0.0, 0.0,
+    )  # fmt: skip
+    # Renders are as consistent with their re-render as images get; the wrong background does not
+    # change that (the re-render draws what the detector read).
+    assert on["psnr"] > 30 and on["ssim"] > 0.98 and off["psnr"] > 30
+    assert record["details"]["render_grid"] == "render_consistency.png"
+    with Image.open(tmp_path / "run" / "render_consistency.png") as grid:
+        assert grid.height == 2 * (64 + 6)  # attribute / on and attribute / off, one row each
+    md = (tmp_path / "run" / "knowledge.md").read_text(encoding="utf-8")
+    assert "| attribute (8) | on | 8 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 |" in md
+    assert "| attribute (8) | off | 8 | 100.0 | 100.0 | 0.0 | 100.0 | 0.0 |" in md
+    assert f"| attribute (8) | on | 8 | {on['psnr']:.2f} | {on['ssim']:.4f} |" in md
+    detection = json.loads(
+        (tmp_path / "run" / "knowledge_off" / "detections.jsonl").read_text().splitlines()[0]
+    )
+    assert detection["background_ok"] is False and detection["rerender"]["shape"] == detection["shape"]
+    assert {p["shape"] for p in prompts} == set(SHAPES)
+    assert record["details"]["per_entity"]["红色的圆形"]["on"]["both"] == 1.0

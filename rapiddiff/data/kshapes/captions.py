@@ -21,6 +21,13 @@ ENTITY_TEMPLATES: tuple[str, ...] = (
 )
 # Evaluation prompts name background and position, so every attribute of the image is asked for.
 PROMPT_TEMPLATES: tuple[str, ...] = ("{bg}背景上有一个{e}", "{bg}背景的{pos}有一个{e}")
+# Attribute-caption evaluation (prompts_attribute.jsonl, split "attribute"): the training attribute
+# templates that name all four of colour, shape, background and position, so an image is right only
+# when all four are — the base generator's own test, with no entity and no knowledge needed.
+ATTRIBUTE_PROMPT_TEMPLATES: tuple[str, ...] = (
+    "{bg}背景的{pos}有一个{c}的{s}",
+    "一个{c}的{s}在{bg}背景的{pos}",
+)
 
 # Robustness set (prompts_robust.jsonl): sentence shapes that no training caption uses — kept out
 # of training on purpose (tests/data/test_kshapes.py checks that every one of them has wording no

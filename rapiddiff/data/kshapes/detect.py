@@ -127,8 +127,11 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
     """Colour, shape, background and position of the single object in ``image``.
 
     Returns ``{"colour", "shape", "background", "position"}`` as Chinese names (those of the KG;
-    ``None`` for colour/shape/position when no object is found) and ``"area"``, the object's
-    fraction of the image.
+    ``None`` for colour/shape/position when no object is found), ``"area"``, the object's
+    fraction of the image, and its geometry in units of the image width/height (``None`` when no
+    object): ``"centre"`` (x, y) of its bounding box (where :class:`ShapeSpec` puts a shape),
+    ``"centroid"`` (x, y) and ``"orientation"``, its principal axis in degrees (0 = horizontal).
+    These let the evaluation re-render what the detector read (rapiddiff.eval.consistency).
     """
     from scipy import ndimage
 
@@ -160,6 +163,9 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
         "background": _nearest(bg, BACKGROUND_LAB),
         "position": None,
         "area": 0.0,
+        "centre": None,
+        "centroid": None,
+        "orientation": None,
     }
 
     d_bg = np.linalg.norm(lab - bg, axis=-1)
@@ -175,7 +181,13 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
     ys, xs = np.nonzero(mask)
     positions = LAYOUTS[layout]
     cx, cy = xs.mean() / w, ys.mean() / h
+    cov = np.cov(np.stack([xs, ys]).astype(np.float64)) if len(xs) > 1 else np.eye(2)
+    _, vectors = np.linalg.eigh(cov)
+    axis = vectors[:, -1]  # the principal axis (largest eigenvalue)
     result.update(
+        centre=[float(xs.min() + xs.max() + 1) / (2 * w), float(ys.min() + ys.max() + 1) / (2 * h)],
+        centroid=[float(xs.mean() + 0.5) / w, float(ys.mean() + 0.5) / h],  # pixel centres
+        orientation=float(np.degrees(np.arctan2(axis[1], axis[0])) % 180.0),
         colour=_nearest(obj, COLOUR_LAB),
         shape=classify_shape(shape_features(mask)),
         position=min(positions, key=lambda p: (p[1] - cx) ** 2 + (p[2] - cy) ** 2)[0],

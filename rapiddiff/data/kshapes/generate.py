@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from rapiddiff.data.kshapes.captions import (
+    ATTRIBUTE_PROMPT_TEMPLATES,
     ATTRIBUTE_TEMPLATES,
     DISTRACTOR_TEMPLATES,
     ENTITY_TEMPLATES,
@@ -54,6 +55,7 @@ OUTPUTS = (
     "kg_only_entities.json",
     "prompts.jsonl",
     "prompts_robust.jsonl",
+    "prompts_attribute.jsonl",
     "kshapes.yaml",
 )
 
@@ -226,6 +228,40 @@ def evaluation_prompts(
     return prompts
 
 
+def attribute_prompts(cfg: KShapesConfig) -> list[dict[str, Any]]:
+    """Attribute-caption prompts (split "attribute", written to prompts_attribute.jsonl): every
+    colour × shape pair, ``prompts_per_entity`` prompts each, on captions.ATTRIBUTE_PROMPT_TEMPLATES
+    (which name colour, shape, background and position), with a background the colour may be drawn
+    on and a position of ``cfg.layout``. Its own stream ``default_rng([seed, 97])``: a function of
+    the kshapes config alone, so a folder written before this file existed gets the same prompts
+    from its kshapes.yaml (``rapiddiff eval knowledge --splits attribute`` does that)."""
+    rng = np.random.default_rng([cfg.seed, 97])
+    pairs = [(c, s) for c in COLOURS for s in SHAPES]
+    # Every pair once, in a seeded order, then again: the first N prompts (``--limit N``) are a
+    # spread of colours and shapes, not all red.
+    order = [int(i) for i in rng.permutation(len(pairs))]
+    prompts = []
+    for k in range(cfg.prompts_per_entity):
+        for i in order:
+            colour, shape = pairs[i]
+            position = _pick(rng, LAYOUTS[cfg.layout])[0]
+            background = _pick(rng, compatible_backgrounds(colour))
+            template = ATTRIBUTE_PROMPT_TEMPLATES[(i + k) % len(ATTRIBUTE_PROMPT_TEMPLATES)]
+            prompts.append(
+                {
+                    "text": template.format(bg=background, pos=position, c=colour, s=shape),
+                    "entity": None,
+                    "colour": colour,
+                    "shape": shape,
+                    "background": background,
+                    "position": position,
+                    "layout": cfg.layout,
+                    "split": "attribute",
+                }
+            )
+    return prompts
+
+
 def robust_prompts(
     cfg: KShapesConfig, heldout: set[str], validation: set[str] = frozenset()
 ) -> list[dict[str, Any]]:
@@ -378,6 +414,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     atomic_write_text(out / "kg_only_entities.json", json.dumps(kg_only, ensure_ascii=False, indent=1) + "\n")
     atomic_write_text(out / "prompts.jsonl", _jsonl(evaluation_prompts(cfg, heldout, validation)))
     atomic_write_text(out / "prompts_robust.jsonl", _jsonl(robust_prompts(cfg, heldout, validation)))
+    atomic_write_text(out / "prompts_attribute.jsonl", _jsonl(attribute_prompts(cfg)))
     save_config(cfg, out / "kshapes.yaml")
 
     summary = {

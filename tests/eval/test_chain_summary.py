@@ -1,0 +1,107 @@
+"""benchmarks/kshapes_chain.py's evaluation: the commands it runs and the measures its summary takes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def chain():
+    spec = importlib.util.spec_from_file_location("kshapes_chain", ROOT / "benchmarks" / "kshapes_chain.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kshapes_chain"] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("kshapes_chain", None)
+
+
+def _row(split, mode, both, **extra):
+    return {"split": split, "knowledge": mode, "colour": both + 10, "shape": both + 5, "both": both, **extra}
+
+
+def _seed(out: Path, seed: int, text: float, both: float, embed: float, attribute_all: float) -> None:
+    results = out / f"seed-{seed}" / "results"
+    attribute = {"background": 40.0, "position": 90.0, "all": attribute_all, "psnr": 22.0, "ssim": 0.88}
+    tables = {
+        "knowledge_unet-on": [
+            _row("heldout", "on", embed, psnr=24.0 + seed, ssim=0.9),
+            _row("heldout", "text", text, psnr=23.0, ssim=0.8),
+            _row("heldout", "both", both, psnr=25.0, ssim=0.95),
+            _row("val", "on", 30.0 + seed),
+            _row("heldout", "on", 1.0, variant="alias"),  # per-variant rows: only "both"
+        ],
+        "knowledge_attribute_unet-on": [
+            _row("attribute", "on", 60.0, **attribute),
+            _row("attribute", "off", 5.0, **{**attribute, "all": 1.0}),
+        ],
+    }
+    for name, table in tables.items():
+        (results / name / "metrics").mkdir(parents=True)
+        (results / name / "metrics" / "knowledge.json").write_text(json.dumps({"table": table}), "utf-8")
+
+
+def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_both(chain, tmp_path):
+    _seed(tmp_path, 0, text=2.0, both=40.0, embed=30.0, attribute_all=20.0)
+    _seed(tmp_path, 1, text=50.0, both=25.0, embed=45.0, attribute_all=30.0)
+    m0 = chain.seed_measures(tmp_path / "seed-0")
+    # "text" alone is off-distribution for a U-Net trained with the attribute words' vectors: the
+    # ceiling is "both" there (40), "text" where it is better (50).
+    assert m0["U-Net on | heldout | ceiling both % (best of text, both)"] == 40.0
+    assert m0["U-Net on | heldout | TransE (on) / ceiling both, ratio %"] == 75.0
+    m1 = chain.seed_measures(tmp_path / "seed-1")
+    assert m1["U-Net on | heldout | TransE (on) / ceiling both, ratio %"] == 90.0
+    assert m0["U-Net on | attribute | knowledge on | all %"] == 20.0
+    assert m0["U-Net on | attribute | knowledge on | background %"] == 40.0
+    assert m0["U-Net on | attribute | knowledge on | position %"] == 90.0
+    assert m0["U-Net on | heldout | knowledge both | render PSNR dB"] == 25.0
+    assert m0["U-Net on | attribute | knowledge on | render SSIM"] == 0.88
+    assert m0["U-Net on | attribute | knowledge off | all %"] == 1.0
+    assert "U-Net on | heldout | knowledge on | background %" not in m0  # only the attribute split's
+    assert "U-Net on | heldout alias | knowledge on | both %" in m0
+    assert not any(k.startswith("U-Net on | heldout alias") and "render" in k for k in m0)
+
+    summary = chain.summarise_seeds(tmp_path, [0, 1])
+    table = summary["measures"]
+    assert table["U-Net on | attribute | knowledge on | all %"]["mean"] == 25.0
+    assert table["U-Net on | heldout | knowledge on | render PSNR dB"]["values"] == {0: 24.0, 1: 25.0}
+    md = (tmp_path / "summary.md").read_text(encoding="utf-8")
+    assert "| U-Net on | attribute | knowledge on | all % | 25.00 ± 7.07 | 2 |" in md
+    assert "| U-Net on | heldout | TransE (on) / ceiling both, ratio % | 82.50 ± 10.61 | 2 |" in md
+    assert "| U-Net on | attribute | knowledge on | render SSIM | 0.8800 ± 0.0000 | 2 |" in md
+    assert summary["selection"]["best_seed"] == 1
+
+
+def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path, monkeypatch):
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    assert cfg.eval_attribute and cfg.eval_text_mode
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    jobs: dict[str, list[str]] = {}
+    monkeypatch.setattr(run, "run_parallel", lambda batch: jobs.update(batch))
+    run.evaluate()
+
+    def arg(cmd, flag):
+        return cmd[cmd.index(flag) + 1]
+
+    on = jobs["knowledge_unet-on"]
+    assert arg(on, "--modes") == "on,off,text,both" and arg(on, "--splits") == "seen,heldout,val"
+    robust = jobs["knowledge_robust_unet-on"]
+    assert arg(robust, "--splits") == "seen,heldout,val" and arg(robust, "--modes") == "on,off"
+    attribute = jobs["knowledge_attribute_unet-on"]
+    assert arg(attribute, "--splits") == "attribute" and arg(attribute, "--modes") == "on,off"
+    assert arg(attribute, "--kshapes") == str(tmp_path / "data") and arg(attribute, "--model").endswith(
+        "unet_on"
+    )
+    jobs.clear()
+    cfg.eval_attribute = cfg.eval_text_mode = False
+    run2 = chain.Chain(tmp_path / "b", cfg, smoke=True)
+    monkeypatch.setattr(run2, "run_parallel", lambda batch: jobs.update(batch))
+    run2.evaluate()
+    assert arg(jobs["knowledge_unet-on"], "--modes") == "on,off"
+    assert "knowledge_attribute_unet-on" not in jobs
