@@ -222,14 +222,15 @@ def knowledge_html(record: dict[str, Any]) -> str:
     head += "".join(f"<th>{name} right</th>" for _, name in extra)
     head += "<th>render PSNR</th><th>render SSIM</th>" if render else ""
     if extra or render:  # a row over the header naming the column groups
-        groups = "<th colspan='3'></th><th colspan='3'>entity attributes (95 % Wilson interval)</th>"
-        groups += f"<th colspan='{len(extra)}'>attributes the prompt names</th>" if extra else ""
+        groups = "<th colspan='3'></th><th colspan='3'>colour and shape (95 % Wilson interval)</th>"
+        groups += f"<th colspan='{len(extra)}'>what else the prompt names</th>" if extra else ""
         groups += "<th colspan='2'>render consistency</th>" if render else ""
         head = f"<tr class='groups'>{groups}</tr><tr>{head}</tr>"
     else:
         head = f"<tr>{head}</tr>"
     out = [
-        "<h3>Knowledge accuracy: does the image show the entity's colour and shape?</h3>",
+        "<h3>Knowledge accuracy: does the image show the entity's colour and shape"
+        + (", and what else the prompt names?</h3>" if extra else "?</h3>"),
         f"<table class='knowledge'>{head}",
     ]
 
@@ -516,7 +517,7 @@ def render_grid_path(record: dict[str, Any], run: Path) -> Path | None:
     return beside if beside.is_file() else run / name
 
 
-def consistency_html(records: Sequence[dict[str, Any]], run: Path, max_width: int = 1250) -> str:
+def consistency_html(records: Sequence[dict[str, Any]], run: Path, max_width: int = 1256) -> str:
     """The render-consistency grid of each knowledge record that has one (generated | re-render
     pairs, a row per split / knowledge mode), embedded and enlarged pixel for pixel to fit."""
     figures = []
@@ -528,11 +529,12 @@ def consistency_html(records: Sequence[dict[str, Any]], run: Path, max_width: in
             figures.append(f"<p class='warn'>⚠ render-consistency grid missing: {html.escape(str(path))}</p>")
             continue
         uri, w, h = embed(path, 4096)
-        scale = max(1, min(3, max_width // max(1, w)))  # whole multiples keep the pixels square
+        # Small grids (64 px tiles) enlarged by whole multiples, pixels kept square; large ones fit the page.
+        scale = max(1, min(3, max_width // max(1, w))) if w <= max_width else max_width / w
         cls = " class='pixel'" if scale > 1 else ""
         alt = "render consistency: generated image | kshapes re-render of what the detector read"
         figures.append(
-            f"<figure><img src='{uri}'{cls} width='{w * scale}' height='{h * scale}' alt='{alt}' "
+            f"<figure><img src='{uri}'{cls} width='{round(w * scale)}' height='{round(h * scale)}' alt='{alt}' "
             f"title='{alt}'><figcaption>Each pair: the generated image, then kshapes' renderer drawing "
             "what the detector read off it (colour, shape, background, place and size); one row per "
             "split / knowledge mode, the split's first images. Its PSNR / SSIM are the table's render "
