@@ -45,6 +45,7 @@ th{background:var(--bg);font-weight:600;font-size:14px}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 td.num .ci{color:var(--muted);font-size:12px;margin-left:6px}
 tr.lift td{background:#f4f8ff;font-weight:600}
+table.knowledge td:nth-child(-n+2){white-space:nowrap}
 tr.groups th{background:#fff;color:var(--muted);font-weight:500;font-size:12px;text-align:center;border-bottom:none;padding-bottom:0}
 .plots{display:flex;flex-wrap:wrap;gap:28px} .plots figure{margin:0}
 figcaption{font-size:13px;color:var(--muted);max-width:460px}
@@ -152,7 +153,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------------- metrics, first
 Interval = tuple[float, float]
-SPLIT_NAMES = {"seen": "seen", "heldout": "held-out"}
+SPLIT_NAMES = {"seen": "seen", "heldout": "held-out", "attribute": "attribute captions"}
 
 
 def wilson(percent: float, n: int) -> Interval:
@@ -463,8 +464,9 @@ def plots_html(records: Sequence[dict[str, Any]]) -> str:
         rows = [r for r in knowledge_rows(record) if not r.get("variant")]  # overall rows per split
         splits = list(dict.fromkeys(r["split"] for r in rows))
         modes = list(dict.fromkeys(r["knowledge"] for r in rows))
-        colours = {"on": ON, "off": OFF}
-        series = [(f"knowledge {m}", colours.get(m, PALETTE[i % len(PALETTE)])) for i, m in enumerate(modes)]
+        # on and off keep their colours; other modes (text, both, embed) take the palette's others.
+        others = iter(PALETTE[2:] * len(modes))
+        series = [(f"knowledge {m}", {"on": ON, "off": OFF}.get(m) or next(others)) for m in modes]
         chance = record.get("details", {}).get("chance", {})
         charts = [("both", "colour and shape right"), ("colour", "colour right"), ("shape", "shape right")]
         if _has(rows, "all"):  # runs with the attribute split: every attribute the prompt names

@@ -330,11 +330,11 @@ def test_report_shows_attribute_split_named_attributes_render_consistency_and_mo
         body[(cells[0], cells[1])] = cells[2:]
     # Attribute captions (3 colour × shape pairs), knowledge off: the wrong background, so
     # background and all named at 0 % (with all named's interval), colour / shape / position right.
-    off = body[("attribute (3)", "off")]
+    off = body[("attribute captions (3)", "off")]
     assert off[0] == "3"
     assert off[1].startswith("100.0 %<span class='ci'>")
     assert off[4:7] == ["0.0 %", "100.0 %", "0.0 %<span class='ci'>0.0–56.1</span>"]
-    on = body[("attribute (3)", "on")]
+    on = body[("attribute captions (3)", "on")]
     assert on[4:6] == ["100.0 %", "100.0 %"] and on[6].startswith("100.0 %<span class='ci'>43.9–100.0")
     # Render consistency: the mean PSNR / SSIM as the JSON holds them.
     a_on = rows[("attribute", "on")]
@@ -345,7 +345,9 @@ def test_report_shows_attribute_split_named_attributes_render_consistency_and_mo
     assert held_both[3].startswith("100.0 %") and held_both[4] == held_both[5] == "—"
     # Lift rows for every knowledge mode over off, the percent columns in points, PSNR in dB.
     assert "<td>both − off</td>" in table and "<td>on − off</td>" in table
-    lift = re.search(r"<tr class='lift'><td>attribute</td><td>on − off</td>(.*?)</tr>", table).group(1)
+    lift = re.search(r"<tr class='lift'><td>attribute captions</td><td>on − off</td>(.*?)</tr>", table).group(
+        1
+    )
     assert "+100.0 pt" in lift and " dB</td>" in lift
     assert "Render PSNR / SSIM" in page and "scored over the prompts that name them" in page
     # The 'all named' chart beside both / colour / shape.
