@@ -379,3 +379,20 @@ def test_report_of_an_old_knowledge_json_has_no_new_columns(report_run):
     assert table.startswith("<table class='knowledge'><tr><th>entities</th>")
     assert table.count("<th>") == 6 and "render" not in table and "class='groups'" not in table
     assert "id='consistency'" not in page and "Render PSNR" not in page
+
+
+@pytest.mark.skipif(
+    _chromium() is None, reason="chromium is not installed: `apt-get install -y chromium` (CI installs it)"
+)
+def test_report_with_render_consistency_renders_in_chromium(attribute_run, tmp_path):
+    root, _ = attribute_run
+    assert main(["eval", "report", str(root)]) == 0
+    url = (root / "report.html").resolve().as_uri()
+    dom = _browse(tmp_path, "--virtual-time-budget=5000", "--dump-dom", url).stdout
+    # 5 prompts × 3 sets of samples and the consistency grid, all decoded by the browser.
+    found = re.search(r'data-images-loaded="(\d+)/(\d+)"', dom)
+    assert found and found.group(1) == found.group(2) == "16", dom[:500]
+    assert int(re.search(r'data-min-image-width="(\d+)"', dom).group(1)) >= 256
+    sections = re.findall(r"<section (?:id|class)=\"(\w+)\"", dom)
+    assert sections[:4] == ["metrics", "plots", "consistency", "samples"], sections
+    assert "render consistency" in dom and "attribute captions (3)" in dom
