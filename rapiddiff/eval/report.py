@@ -1,9 +1,11 @@
 """``rapiddiff eval report``: the page a person shares — one self-contained HTML file (and a PNG grid).
 
 Top to bottom: the results (knowledge accuracy for seen / held-out entities × knowledge on / off
-with 95 % Wilson intervals and the on − off lift; retrieval recall with intervals over the
-queries; FID, CLIPScore and any other metric file under ``RUN/metrics/`` or given with
-``--metrics``), bar charts drawn as inline SVG where they read better than numbers, then a block
+with 95 % Wilson intervals and the on − off lift — and, where ``eval knowledge`` wrote them, the
+attribute split, background / position / all-named accuracy, render PSNR / SSIM and modes text /
+both; retrieval recall with intervals over the queries; FID, CLIPScore and any other metric file
+under ``RUN/metrics/`` or given with ``--metrics``), bar charts drawn as inline SVG where they read
+better than numbers, the render-consistency grid (``RUN/render_consistency.png``), then a block
 per prompt with each set's images large (``knowledge_on`` beside ``knowledge_off``), and last the
 sampling settings and model config, folded. Nothing is fetched: images are embedded, text uses a
 font stack that renders Chinese on Linux, macOS and Windows. A few lines of inline script record
@@ -721,7 +723,9 @@ def build_report(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "One self-contained HTML page for an eval run, to share: the results first (knowledge accuracy "
-        "seen / held-out × on / off and recall, with 95 %% intervals; FID, CLIPScore), bar charts, large "
+        "seen / held-out × on / off and recall, with 95 % intervals; background, position, all named and "
+        "render PSNR/SSIM when eval knowledge wrote them; FID, CLIPScore), bar charts, the render-consistency "
+        "grid, large "
         "sample images per prompt for the run and its sub-runs side by side, then the sampling settings "
         "and model config. Images are embedded; nothing is fetched. Also writes a PNG grid."
     )
