@@ -396,3 +396,33 @@ def test_report_with_render_consistency_renders_in_chromium(attribute_run, tmp_p
     sections = re.findall(r"<section (?:id|class)=\"(\w+)\"", dom)
     assert sections[:4] == ["metrics", "plots", "consistency", "samples"], sections
     assert "render consistency" in dom and "attribute captions (3)" in dom
+
+
+def test_prompt_variants_get_a_row_each_and_plots_keep_the_overall_rows():
+    """prompts_robust.jsonl runs tabulate each variant beside the split's overall row; the report
+    shows every one (they used to overwrite each other) and plots only the overall rows."""
+    from rapiddiff.eval.report import knowledge_html, plots_html
+
+    def row(variant, mode, both):
+        r = {"split": "heldout", "knowledge": mode, "images": 10, "entities": 2}
+        return {**r, **({"variant": variant} if variant else {}), "colour": 80.0, "shape": 70.0, "both": both}
+
+    rows = [
+        row(v, m, b)
+        for v, b0 in ((None, 50.0), ("alias", 40.0), ("sentence", 60.0))
+        for m, b in (("on", b0), ("off", 10.0))
+    ]
+    record = {"metric": "knowledge", "table": rows, "_file": "k.json"}
+    page = knowledge_html(record)
+    for name, both in (
+        ("held-out (2)", 50.0),
+        ("held-out, alias (2)", 40.0),
+        ("held-out, sentence (2)", 60.0),
+    ):
+        assert re.search(
+            rf"<tr><td>{re.escape(name)}</td><td>on</td><td class='num'>10</td>.*?{both:.1f} %", page
+        )
+    assert page.count("<td>on − off</td>") == 3 and "+30.0 pt" in page and "+50.0 pt" in page
+    plots = plots_html([record])
+    assert plots.count("class='bar'") == 3 * 2  # one group (held-out), on / off, in 3 charts
+    assert "50.0 %" in plots and "40.0 %" not in plots and "60.0 %" not in plots
