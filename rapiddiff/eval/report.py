@@ -1,9 +1,11 @@
 """``rapiddiff eval report``: the page a person shares — one self-contained HTML file (and a PNG grid).
 
 Top to bottom: the results (knowledge accuracy for seen / held-out entities × knowledge on / off
-with 95 % Wilson intervals and the on − off lift; retrieval recall with intervals over the
-queries; FID, CLIPScore and any other metric file under ``RUN/metrics/`` or given with
-``--metrics``), bar charts drawn as inline SVG where they read better than numbers, then a block
+with 95 % Wilson intervals and the on − off lift — and, where ``eval knowledge`` wrote them, the
+attribute split, background / position / all-named accuracy, render PSNR / SSIM and modes text /
+both; retrieval recall with intervals over the queries; FID, CLIPScore and any other metric file
+under ``RUN/metrics/`` or given with ``--metrics``), bar charts drawn as inline SVG where they read
+better than numbers, the render-consistency grid (``RUN/render_consistency.png``), then a block
 per prompt with each set's images large (``knowledge_on`` beside ``knowledge_off``), and last the
 sampling settings and model config, folded. Nothing is fetched: images are embedded, text uses a
 font stack that renders Chinese on Linux, macOS and Windows. A few lines of inline script record
@@ -45,6 +47,8 @@ th{background:var(--bg);font-weight:600;font-size:14px}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 td.num .ci{color:var(--muted);font-size:12px;margin-left:6px}
 tr.lift td{background:#f4f8ff;font-weight:600}
+table.knowledge td:nth-child(-n+2){white-space:nowrap}
+tr.groups th{background:#fff;color:var(--muted);font-weight:500;font-size:12px;text-align:center;border-bottom:none;padding-bottom:0}
 .plots{display:flex;flex-wrap:wrap;gap:28px} .plots figure{margin:0}
 figcaption{font-size:13px;color:var(--muted);max-width:460px}
 svg text{font-family:FONTS}
@@ -151,7 +155,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------------- metrics, first
 Interval = tuple[float, float]
-SPLIT_NAMES = {"seen": "seen", "heldout": "held-out"}
+SPLIT_NAMES = {"seen": "seen", "heldout": "held-out", "attribute": "attribute captions"}
 
 
 def wilson(percent: float, n: int) -> Interval:
@@ -176,44 +180,95 @@ def _is_recall(r: dict[str, Any]) -> bool:
     return isinstance(r.get("text_to_image"), dict) and isinstance(r.get("image_to_text"), dict)
 
 
+MODE_NAMES = {
+    "text": "text (KG facts in the prompt)",
+    "both": "both (KG facts + vectors)",
+    "embed": "embed (KG vectors)",
+}
+"""How a knowledge mode reads in the table ("both" is not the "both right" column)."""
+EXTRA_PCT = (("background", "background"), ("position", "position"), ("all", "all named"))
+"""Accuracy columns `eval knowledge` writes since the attribute split (None: no prompt names it)."""
+
+
 def knowledge_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The knowledge table's rows with 95 % Wilson intervals for colour, shape and both."""
+    """The knowledge table's rows with 95 % Wilson intervals for colour, shape, both and "all named"
+    (every record has an all_ok, so its n is the images; background and position are over the
+    prompts naming them, a count the JSON does not keep: no interval)."""
     rows = []
     for row in record["table"]:
         n = int(row.get("images", 0))
-        ci = {k: wilson(float(row[k]), n) for k in ("colour", "shape", "both") if k in row}
+        ci = {
+            k: wilson(float(row[k]), n) for k in ("colour", "shape", "both", "all") if row.get(k) is not None
+        }
         if row.get("both_ci95"):
             ci["both"] = tuple(row["both_ci95"])  # as eval knowledge computed it
         rows.append({**row, "ci": ci})
     return rows
 
 
+def _has(rows: Sequence[dict[str, Any]], key: str) -> bool:
+    return any(r.get(key) is not None for r in rows)
+
+
+def _diff(on: dict[str, Any], off: dict[str, Any], key: str, unit: str, digits: int) -> str:
+    if on.get(key) is None or off.get(key) is None:
+        return "<td></td>"
+    return f"<td class='num'>{on[key] - off[key]:+.{digits}f}{unit}</td>"
+
+
 def knowledge_html(record: dict[str, Any]) -> str:
     rows = knowledge_rows(record)
+    # Columns of newer runs, shown when the JSON has them (old runs: the table as it always was).
+    extra = [(k, name) for k, name in EXTRA_PCT if _has(rows, k)]
+    render = _has(rows, "psnr") or _has(rows, "ssim")
+    head = "<th>entities</th><th>knowledge</th><th>images</th><th>colour right</th><th>shape right</th><th>both right</th>"
+    head += "".join(f"<th>{name} right</th>" for _, name in extra)
+    head += "<th>render PSNR</th><th>render SSIM</th>" if render else ""
+    if extra or render:  # a row over the header naming the column groups
+        groups = "<th colspan='3'></th><th colspan='3'>colour and shape (95 % Wilson interval)</th>"
+        groups += f"<th colspan='{len(extra)}'>what else the prompt names</th>" if extra else ""
+        groups += "<th colspan='2'>render consistency</th>" if render else ""
+        head = f"<tr class='groups'>{groups}</tr><tr>{head}</tr>"
+    else:
+        head = f"<tr>{head}</tr>"
     out = [
-        "<h3>Knowledge accuracy: does the image show the entity's colour and shape?</h3>",
-        "<table class='knowledge'><tr><th>entities</th><th>knowledge</th><th>images</th>"
-        "<th>colour right</th><th>shape right</th><th>both right</th></tr>",
+        "<h3>Knowledge accuracy: does the image show the entity's colour and shape"
+        + (", and what else the prompt names?</h3>" if extra else "?</h3>"),
+        f"<table class='knowledge'>{head}",
     ]
-    for split in dict.fromkeys(r["split"] for r in rows):
-        by_mode = {r["knowledge"]: r for r in rows if r["split"] == split}
+
+    def cells(r: dict[str, Any]) -> str:
+        text = "".join(_pct(r.get(k), r["ci"].get(k)) for k in ("colour", "shape", "both"))
+        text += "".join(_pct(r.get(k), r["ci"].get(k)) for k, _ in extra)
+        if render:
+            psnr, ssim = r.get("psnr"), r.get("ssim")
+            text += f"<td class='num'>{'—' if psnr is None else f'{psnr:.2f} dB'}</td>"
+            text += f"<td class='num'>{'—' if ssim is None else f'{ssim:.4f}'}</td>"
+        return text
+
+    def lift(on: dict[str, Any], off: dict[str, Any]) -> str:
+        text = "".join(_diff(on, off, k, " pt", 1) for k in ("colour", "shape", "both"))
+        text += "".join(_diff(on, off, k, " pt", 1) for k, _ in extra)
+        if render:
+            text += _diff(on, off, "psnr", " dB", 2) + _diff(on, off, "ssim", "", 4)
+        return text
+
+    # One block per split (and per prompt variant, for prompts_robust.jsonl), its modes in order,
+    # then each knowledge mode's lift over "off".
+    for split, variant in dict.fromkeys((r["split"], r.get("variant")) for r in rows):
+        name = SPLIT_NAMES.get(split, split) + (f", {variant}" if variant else "")
+        by_mode = {r["knowledge"]: r for r in rows if (r["split"], r.get("variant")) == (split, variant)}
         for mode, r in by_mode.items():
             entities = f" ({r['entities']})" if "entities" in r else ""
             out.append(
-                f"<tr><td>{html.escape(SPLIT_NAMES.get(split, split))}{entities}</td>"
-                f"<td>{html.escape(str(mode))}</td><td class='num'>{r.get('images', '')}</td>"
-                + "".join(_pct(r.get(k), r["ci"].get(k)) for k in ("colour", "shape", "both"))
-                + "</tr>"
+                f"<tr><td>{html.escape(name)}{entities}</td>"
+                f"<td>{html.escape(MODE_NAMES.get(str(mode), str(mode)))}</td>"
+                f"<td class='num'>{r.get('images', '')}</td>{cells(r)}</tr>"
             )
-        if "on" in by_mode and "off" in by_mode:
-            on, off = by_mode["on"], by_mode["off"]
+        for mode in (m for m in by_mode if m != "off" and "off" in by_mode):
             out.append(
-                f"<tr class='lift'><td>{html.escape(SPLIT_NAMES.get(split, split))}</td>"
-                "<td>on − off</td><td></td>"
-                + "".join(
-                    f"<td class='num'>{on[k] - off[k]:+.1f} pt</td>" for k in ("colour", "shape", "both")
-                )
-                + "</tr>"
+                f"<tr class='lift'><td>{html.escape(name)}</td><td>{html.escape(str(mode))} − off</td>"
+                f"<td></td>{lift(by_mode[mode], by_mode['off'])}</tr>"
             )
     out.append("</table>")
     chance = record.get("details", {}).get("chance")
@@ -222,6 +277,20 @@ def knowledge_html(record: dict[str, Any]) -> str:
         note += (
             f" Chance (uniform guess): colour {chance['colour']:.1f} %, shape {chance['shape']:.1f} %, "
             f"both {chance['both']:.1f} %."
+        )
+    if extra:
+        note += (
+            " Background and position are scored over the prompts that name them (— : none does; the "
+            "attribute split's captions name all four), with no interval (the JSON does not keep how "
+            "many prompts named them); all named: every attribute the prompt names, right."
+        )
+    if render:
+        how = record.get("details", {}).get("render_consistency", {})
+        ssim = f" (SSIM: {how['ssim']})" if how.get("ssim") else ""
+        note += (
+            " Render PSNR / SSIM: each image against kshapes' renderer drawing what the detector read off "
+            f"it, the mean over the images{html.escape(ssim)}: how crisp and flat the drawings are, not "
+            "whether they are right."
         )
     out.append(f"<p class='small'>{note}</p>")
     out += [f"<div class='warn'>⚠ {html.escape(w)}</div>" for w in record.get("warnings", [])]
@@ -394,32 +463,32 @@ def plots_html(records: Sequence[dict[str, Any]]) -> str:
     """Bar charts where they read better than the table: accuracy on/off per split, recall per run."""
     figures = []
     for record in (r for r in records if _is_knowledge(r)):
-        rows = knowledge_rows(record)
+        rows = [r for r in knowledge_rows(record) if not r.get("variant")]  # overall rows per split
         splits = list(dict.fromkeys(r["split"] for r in rows))
         modes = list(dict.fromkeys(r["knowledge"] for r in rows))
-        colours = {"on": ON, "off": OFF}
-        series = [(f"knowledge {m}", colours.get(m, PALETTE[i % len(PALETTE)])) for i, m in enumerate(modes)]
+        # on and off keep their colours; other modes (text, both, embed) take the palette's others.
+        others = iter(PALETTE[2:] * len(modes))
+        series = [(f"knowledge {m}", {"on": ON, "off": OFF}.get(m) or next(others)) for m in modes]
         chance = record.get("details", {}).get("chance", {})
-        for key, what in (
-            ("both", "colour and shape right"),
-            ("colour", "colour right"),
-            ("shape", "shape right"),
-        ):
+        charts = [("both", "colour and shape right"), ("colour", "colour right"), ("shape", "shape right")]
+        if _has(rows, "all"):  # runs with the attribute split: every attribute the prompt names
+            charts.append(("all", "all named attributes right"))
+        for key, what in charts:
             values = {
                 (SPLIT_NAMES.get(r["split"], r["split"]), f"knowledge {r['knowledge']}"): (
                     float(r[key]),
                     r["ci"].get(key),
                 )
                 for r in rows
-                if key in r
+                if r.get(key) is not None
             }
             ref = (chance[key], f"chance {chance[key]:.0f} %") if key in chance else None
             svg = bar_chart_svg(
                 f"{what}, %", [SPLIT_NAMES.get(s, s) for s in splits], series, values, reference=ref
             )
             figures.append(
-                f"<figure>{svg}<figcaption>{html.escape(what)}: seen vs held-out entities, knowledge on "
-                "vs off; whiskers are 95 % Wilson intervals.</figcaption></figure>"
+                f"<figure>{svg}<figcaption>{html.escape(what)}: per prompt split, knowledge on vs off "
+                "(and any other mode run); whiskers are 95 % Wilson intervals.</figcaption></figure>"
             )
     recall = [r for r in records if _is_recall(r)]
     if recall:
@@ -440,6 +509,44 @@ def plots_html(records: Sequence[dict[str, Any]]) -> str:
     if not figures:
         return ""
     return f"<section id='plots'><h2>Plots</h2><div class='plots'>{''.join(figures)}</div></section>"
+
+
+def render_grid_path(record: dict[str, Any], run: Path) -> Path | None:
+    """The render-consistency grid a knowledge record names (details.render_grid, relative to its
+    run folder: RUN/metrics/knowledge.json → RUN/), else in the report's run; None when unnamed."""
+    name = record.get("details", {}).get("render_grid")
+    if not name:
+        return None
+    beside = Path(record["_file"]).resolve().parent.parent / name
+    return beside if beside.is_file() else run / name
+
+
+def consistency_html(records: Sequence[dict[str, Any]], run: Path, max_width: int = 1256) -> str:
+    """The render-consistency grid of each knowledge record that has one (generated | re-render
+    pairs, a row per split / knowledge mode), embedded and enlarged pixel for pixel to fit."""
+    figures = []
+    for record in (r for r in records if _is_knowledge(r)):
+        path = render_grid_path(record, run)
+        if path is None:
+            continue
+        if not path.is_file():
+            figures.append(f"<p class='warn'>⚠ render-consistency grid missing: {html.escape(str(path))}</p>")
+            continue
+        uri, w, h = embed(path, 4096)
+        # Small grids (64 px tiles) enlarged by whole multiples, pixels kept square; large ones fit the page.
+        scale = max(1, min(3, max_width // max(1, w))) if w <= max_width else max_width / w
+        cls = " class='pixel'" if scale > 1 else ""
+        alt = "render consistency: generated image | kshapes re-render of what the detector read"
+        figures.append(
+            f"<figure><img src='{uri}'{cls} width='{round(w * scale)}' height='{round(h * scale)}' alt='{alt}' "
+            f"title='{alt}'><figcaption>Each pair: the generated image, then kshapes' renderer drawing "
+            "what the detector read off it (colour, shape, background, place and size); one row per "
+            "split / knowledge mode, the split's first images. Its PSNR / SSIM are the table's render "
+            f"columns. ({html.escape(path.name)})</figcaption></figure>"
+        )
+    if not figures:
+        return ""
+    return f"<section id='consistency'><h2>Render consistency</h2>{''.join(figures)}</section>"
 
 
 # ---------------------------------------------------------------------------- sample grids
@@ -596,6 +703,7 @@ def build_report(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}</p>",
         f"<section id='metrics'><h2>Results</h2>{metrics_html(records)}</section>",
         plots_html(records),
+        consistency_html(records, run),
         *grids,
         "<section id='settings'><h2>How these were made</h2>",
         "<details><summary>Sampling settings</summary>"
@@ -615,7 +723,9 @@ def build_report(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "One self-contained HTML page for an eval run, to share: the results first (knowledge accuracy "
-        "seen / held-out × on / off and recall, with 95 %% intervals; FID, CLIPScore), bar charts, large "
+        "seen / held-out × on / off and recall, with 95 % intervals; background, position, all named and "
+        "render PSNR/SSIM when eval knowledge wrote them; FID, CLIPScore), bar charts, the render-consistency "
+        "grid, large "
         "sample images per prompt for the run and its sub-runs side by side, then the sampling settings "
         "and model config. Images are embedded; nothing is fetched. Also writes a PNG grid."
     )
