@@ -566,9 +566,9 @@ class ResumableSampler(Sampler[int]):
             "batch_size": self.batch_size,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> bool:
         """Resume from :meth:`state_dict`'s anchor: the batches trained after it (this run's) are
-        counted at this run's world size and batch size."""
+        counted at this run's world size and batch size. True when those differ from the writer's."""
         if int(state["size"]) != self.size or int(state["seed"]) != self.seed:
             log.warning(
                 "the checkpoint's data had %d examples (seed %d), this run's %d (seed %d): the data "
@@ -578,9 +578,10 @@ class ResumableSampler(Sampler[int]):
                 self.size,
                 self.seed,
             )
-            return
+            return False
         self._anchor = {k: int(state[k]) for k in ("epoch", "offset", "batches")}
-        if int(state["world_size"]) != self.world_size or int(state["batch_size"]) != self.batch_size:
+        changed = int(state["world_size"]) != self.world_size or int(state["batch_size"]) != self.batch_size
+        if changed:
             log.info(
                 "data order: resuming epoch %d at example %d of %d (written by %d process(es) × batch %d, "
                 "read by %d × %d)",
@@ -592,6 +593,7 @@ class ResumableSampler(Sampler[int]):
                 self.world_size,
                 self.batch_size,
             )
+        return changed
 
     def __len__(self) -> int:
         return math.ceil(self.size / self.world_size)
@@ -604,8 +606,21 @@ class ResumableLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
 
+    trainer: pl.Trainer | None = None
+
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.load_state_dict(state)
+        if not self.sampler.load_state_dict(state) or self.trainer is None:
+            return
+        # Another world or batch size: Lightning's count of batches done in this epoch (restored in
+        # the old run's batches) decides where its epoch ends; recount it in this run's batches.
+        sampler, trainer = self.sampler, self.trainer
+        epoch, offset = sampler.locate(int(sampler.position()))
+        per_epoch = sampler.batches_per_epoch()
+        done = per_epoch if epoch > trainer.current_epoch else per_epoch - sampler._batches_left(offset)
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        shift = max(done, 0) - current.ready  # all four counters, so Lightning's restart logic holds
+        current.ready, current.started = current.ready + shift, current.started + shift
+        current.processed, current.completed = current.processed + shift, current.completed + shift
 
 
 def resumable_loader(
@@ -646,7 +661,7 @@ def resumable_loader(
             f"{len(sampler)} examples per process but batch_size={batch_size}: lower the batch size "
             "or add data (drop_last would leave no batch)"
         )
-    return ResumableLoader(
+    loader = ResumableLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -655,6 +670,8 @@ def resumable_loader(
         collate_fn=collate_fn,
         pin_memory=torch.cuda.is_available(),
     )
+    loader.trainer = trainer
+    return loader
 
 
 # ----------------------------------------------------------------------------- optimisation

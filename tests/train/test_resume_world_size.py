@@ -54,7 +54,9 @@ class RecordSamples(Callback):
                 f"{self.path}.start.pt",
             )
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         means = batch["pixel_values"].float().mean(dim=(2, 3))
         keys = " ".join(",".join(f"{v:.4f}" for v in row.tolist()) for row in means)
         with self.path.open("a", encoding="utf-8") as handle:
@@ -65,7 +67,9 @@ class RecordSamples(Callback):
 def image_keys(folder: Path) -> list[np.ndarray]:
     """Each dataset image's per-channel mean in [-1, 1], in file order (= dataset index)."""
     names = sorted(p for p in folder.glob("*.png"))
-    return [np.asarray(Image.open(p).convert("RGB"), dtype=np.float64).mean((0, 1)) / 127.5 - 1 for p in names]
+    return [
+        np.asarray(Image.open(p).convert("RGB"), dtype=np.float64).mean((0, 1)) / 127.5 - 1 for p in names
+    ]
 
 
 def read_steps(path: Path, keys: list[np.ndarray]) -> list[tuple[int, int, int, float, list[int]]]:
@@ -92,7 +96,7 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
             assert_same(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
@@ -157,9 +161,21 @@ def test_ddp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> Non
     after = [i for r, s, e, loss, ix in one_steps if e == 0 for i in ix]
     assert sorted(before + after) == list(range(N_IMAGES))
     assert sorted(after) == sorted(i for r, s, e, loss, ix in two_steps if s == 2 for i in ix)
-    # Epoch 1, on 1 process: a fresh order, no example twice.
+    # Epoch 1, on 1 process: a fresh order, no example twice: the first half of the epoch's order,
+    # which the 2 processes saw at their step 3.
     epoch1 = [i for r, s, e, loss, ix in one_steps if e == 1 for i in ix]
     assert len(set(epoch1)) == len(epoch1) == 2 * BATCH
+    assert sorted(epoch1) == sorted(i for r, s, e, loss, ix in two_steps if s == 3 for i in ix)
+
+    # A checkpoint written by the 2 processes at an epoch's end (step 2) resumes on 1 process in the
+    # next epoch (Lightning's epoch counter too), at the start of that epoch's order.
+    edge = tmp_path / "edge"
+    unet_stage.cli_main(
+        args(edge, 4, tmp_path / "edge.txt", f"--ckpt_path={two / 'checkpoints' / 'step=0000002.ckpt'}")
+    )
+    edge_steps = read_steps(tmp_path / "edge.txt", keys)
+    assert [(r, s, e) for r, s, e, *_ in edge_steps] == [(0, 3, 1), (0, 4, 1)]
+    assert [ix for *_, ix in edge_steps] == [ix for r, s, e, loss, ix in one_steps if e == 1]
 
     # The 1-process continuation is exact: resuming its own step-3 checkpoint (written on 1 process
     # after a 2→1 switch) gives the same examples and the same losses at steps 4 and 5.
@@ -178,5 +194,5 @@ def test_ddp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> Non
     shadow = last["ema"]["shadow_params"]
     params = list(bundle.unet.parameters())
     assert len(params) == len(shadow)
-    for p, s in zip(params, shadow):
+    for p, s in zip(params, shadow, strict=True):
         torch.testing.assert_close(p.detach().float(), s.float(), rtol=0, atol=0)
