@@ -196,3 +196,61 @@ def test_ddp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> Non
     assert len(params) == len(shadow)
     for p, s in zip(params, shadow, strict=True):
         torch.testing.assert_close(p.detach().float(), s.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("size", "before", "after", "stop"),  # stop: batches before the checkpoint, mid-epoch
+    [
+        (8, (2, 2), (1, 2), 1),  # 2 processes → 1, same batch
+        (24, (2, 2), (1, 2), 3),
+        (12, (1, 2), (2, 2), 2),  # 1 → 2
+        (12, (3, 1), (2, 3), 1),  # 3 → 2 and another batch size (drop_last leaves 3 out)
+        (12, (3, 1), (2, 3), 2),
+        (16, (2, 2), (2, 4), 1),  # same world, larger batch
+    ],
+)
+def test_sampler_resumes_the_epoch_across_world_and_batch_size_changes(
+    size: int, before: tuple[int, int], after: tuple[int, int], stop: int
+) -> None:
+    """The contract the slow test checks end to end, for more shapes: the examples seen before the
+    checkpoint (all ranks) and after it (the new ranks) are each example of the epoch once, the next
+    epoch is whole and new, and a checkpoint written after the switch resumes where it stopped."""
+    from rapiddiff.train.common import ResumableSampler
+
+    def ranks(world: int, batch: int, done: int, state: dict | None = None) -> list[ResumableSampler]:
+        samplers = [
+            ResumableSampler(size, batch_size=batch, position=lambda: done, rank=r, world_size=world)
+            for r in range(world)
+        ]
+        for sampler in samplers:
+            if state is not None:
+                sampler.load_state_dict(state)
+        return samplers
+
+    def take(samplers: list[ResumableSampler], batches: int | None) -> list[int]:
+        """What the ranks train on: their first ``batches`` batches, or every full batch (drop_last)."""
+        out = []
+        for sampler in samplers:
+            indices = list(iter(sampler))
+            full = len(indices) // sampler.batch_size if batches is None else batches
+            out += indices[: full * sampler.batch_size]
+        return out
+
+    (w0, b0), (w1, b1) = before, after
+    seen = take(ranks(w0, b0, 0), stop)
+    state = ranks(w0, b0, stop)[0].state_dict()
+    rest = take(ranks(w1, b1, stop, state), None)  # the rest of the epoch on the new ranks
+    assert len(set(seen + rest)) == len(seen + rest)  # none twice
+    if (size - len(seen)) % (w1 * b1) == 0:
+        assert sorted(seen + rest) == list(range(size))  # none skipped
+    else:  # drop_last leaves out less than one batch of every rank, as at any epoch's end
+        assert size - w1 * b1 < len(seen + rest) < size
+    left = len(rest) // (w1 * b1)
+    new = ranks(w1, b1, stop + left, state)
+    epoch1 = take(new, None)
+    assert {s.epoch for s in new} == {1}
+    assert sorted(epoch1) == list(range(size))
+    # A checkpoint written after the switch (one batch into epoch 1) resumes at the same place.
+    again = ranks(w1, b1, stop + left + 1, ranks(w1, b1, stop + left + 1, state)[0].state_dict())
+    assert take(again, None) == take(ranks(w1, b1, stop + left + 1, state), None)
+    assert sorted(take(again, None) + take(new, 1)) == list(range(size))
