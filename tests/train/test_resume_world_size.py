@@ -254,3 +254,74 @@ def test_sampler_resumes_the_epoch_across_world_and_batch_size_changes(
     again = ranks(w1, b1, stop + left + 1, ranks(w1, b1, stop + left + 1, state)[0].state_dict())
     assert take(again, None) == take(ranks(w1, b1, stop + left + 1, state), None)
     assert sorted(take(again, None) + take(new, 1)) == list(range(size))
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> None:
+    """RapidFSDPStrategy on CPU (gloo): its checkpoint holds the full state dict and the full
+    optimizer state (keyed by weight name), so 1 FSDP process resumes what 2 wrote."""
+    from safetensors.torch import load_file
+
+    from rapiddiff.models.bundle import load_model_folder
+
+    data = write_imagefolder(tmp_path / "data", n=N_IMAGES)
+    keys = image_keys(data)
+    two, one = tmp_path / "two", tmp_path / "one"
+
+    def args(root: Path, steps: int, record: Path, devices: int, *extra: str) -> list[str]:
+        return [
+            *tiny_unet_args(data, root, max_steps=steps),
+            "--trainer.logger=false",
+            "--trainer.strategy=fsdp",
+            f"--trainer.devices={devices}",
+            "--model.ema=null",  # EMA is refused under FSDP
+            "--checkpoint.every_n_train_steps=1",
+            "--checkpoint.save_top_k=-1",
+            "--samples.every_n_steps=1000",
+            "--samples.at_end=false",
+            "--trainer.callbacks+=tests.train.test_resume_world_size.RecordSamples",
+            f"--trainer.callbacks.path={record}",
+            *extra,
+        ]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "rapiddiff", "train", "unet"]
+    for argv in (
+        args(two, 2, tmp_path / "two.txt", 2),
+        args(one, 3, tmp_path / "one.txt", 1, f"--ckpt_path={two / 'checkpoints' / 'step=0000001.ckpt'}"),
+    ):
+        result = subprocess.run(
+            [*command, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    checkpoint = torch.load(two / "checkpoints" / "step=0000001.ckpt", map_location="cpu", weights_only=False)
+    start = torch.load(f"{tmp_path / 'one.txt'}.start.pt", weights_only=False)
+    assert start["global_step"] == 1 and start["epoch"] == 0
+    assert_same(start["lr_scheduler"], checkpoint["lr_schedulers"][0], "lr_scheduler")
+    # The optimizer came back: every trained weight has its AdamW moments, one step old, and
+    # they are the saved ones (the checkpoint keys them by weight name, the optimizer by position).
+    saved = checkpoint["optimizer_states"][0]["state"]
+    restored = start["optimizer"]["state"]
+    assert len(restored) == len(saved) > 0
+    assert {float(s["step"]) for s in restored.values()} == {1.0}
+    saved_moments = sorted(float(s["exp_avg"].double().abs().sum()) for s in saved.values())
+    restored_moments = sorted(float(s["exp_avg"].double().abs().sum()) for s in restored.values())
+    assert restored_moments == pytest.approx(saved_moments, rel=1e-6)
+
+    two_steps, one_steps = read_steps(tmp_path / "two.txt", keys), read_steps(tmp_path / "one.txt", keys)
+    assert [(r, s, e) for r, s, e, *_ in one_steps] == [(0, 2, 0), (0, 3, 0)]
+    before = [i for r, s, e, loss, ix in two_steps if s == 1 for i in ix]
+    after = [i for r, s, e, loss, ix in one_steps for i in ix]
+    assert sorted(before + after) == list(range(N_IMAGES))
+    assert sorted(after) == sorted(i for r, s, e, loss, ix in two_steps if s == 2 for i in ix)
+
+    last = torch.load(one / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 3
+    state = last["state_dict"]
+    exported = load_file(one / "model" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == {k.removeprefix("unet.") for k in state if k.startswith("unet.")}
+    for key, value in exported.items():
+        assert torch.equal(value, state["unet." + key]), key
+    bundle = load_model_folder(one / "model", load_upscaler=False)
+    torch.testing.assert_close(bundle.unet.conv_in.weight, state["unet.conv_in.weight"], rtol=0, atol=0)
