@@ -9,7 +9,8 @@ repeated, none skipped: the ones the 2-process run went on to see), later epochs
 run's own sharding, and the run exports a model that loads. The losses after the switch are not
 those of the 2-process run (a step now averages over 2 examples instead of 4, and the per-batch
 noise is drawn for rank 0 only); what must hold instead is that the 1-process continuation is
-itself exact: resuming it again reproduces its losses.
+itself exact: resuming it again reproduces its losses. FSDP (RapidFSDPStrategy) runs on CPU with
+gloo in this torch and is checked the same way (2 processes write, 1 FSDP process resumes).
 """
 
 from __future__ import annotations
