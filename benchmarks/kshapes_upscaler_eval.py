@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from kshapes_vae_recon import psnr  # benchmarks/: the masked PSNR the VAE benchmark reports
 from PIL import Image
 
 
-def _psnr(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    err = (a - b) ** 2
-    mse = err.mean() if mask is None else (err * mask).sum() / (mask.sum() * a.shape[0]).clamp_min(1)
-    return float(10 * torch.log10(1 / mse.clamp_min(1e-12)))
+def _pixels(image: torch.Tensor) -> np.ndarray:
+    """(3, H, W) in [0, 1] → (H, W, 3) in the uint8 range, what kshapes_vae_recon.psnr reads."""
+    return image.clamp(0, 1).permute(1, 2, 0).double().cpu().numpy() * 255
 
 
 def _edges(hr: torch.Tensor) -> torch.Tensor:
@@ -71,10 +71,10 @@ def main() -> int:
                 "bicubic": F.interpolate(low, scale_factor=4, mode="bicubic", align_corners=False)[0],
             }
             outs |= {k: net(low)[0] for k, net in nets.items()}
+            truth, near = _pixels(high), edges[0].cpu().numpy()
             for k, img in outs.items():
-                img = img.clamp(0, 1)
-                scores[k]["psnr"].append(_psnr(img, high))
-                scores[k]["psnr_edges"].append(_psnr(img, high, edges))
+                scores[k]["psnr"].append(psnr(_pixels(img), truth))
+                scores[k]["psnr_edges"].append(psnr(_pixels(img), truth, near))
             if i < 6:  # a 96² crop around the object's edge
                 ys, xs = torch.nonzero(edges[0], as_tuple=True)
                 cy, cx = (int(ys.float().mean()), int(xs.float().min()) + 8) if len(ys) else (64, 64)
