@@ -55,7 +55,10 @@ def main() -> int:
     nets = {}
     for spec in args.upscalers:
         name, _, path = spec.partition("=")
-        nets[name] = load_upscaler(path, device=args.device).float()
+        try:
+            nets[name] = load_upscaler(path, device=args.device).float()
+        except (FileNotFoundError, ValueError) as err:  # a wrong path or an unknown file: say which
+            parser.error(f"--upscalers {spec}: {err}")
     scores: dict[str, dict[str, list[float]]] = {
         k: {"psnr": [], "psnr_edges": []} for k in ["nearest", "bicubic", *nets]
     }
