@@ -103,6 +103,35 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def run_args(data: Path, root: Path, steps: int, record: Path, *extra: str) -> list[str]:
+    """A tiny U-Net stage run that checkpoints every step and records each rank's batches."""
+    return [
+        *tiny_unet_args(data, root, max_steps=steps),
+        "--trainer.logger=false",
+        "--checkpoint.every_n_train_steps=1",
+        "--checkpoint.save_top_k=-1",
+        "--samples.every_n_steps=1000",
+        "--samples.at_end=false",
+        "--trainer.callbacks+=tests.train.test_resume_world_size.RecordSamples",
+        f"--trainer.callbacks.path={record}",
+        *extra,
+    ]
+
+
+def launch(cwd: Path, argv: list[str]) -> None:
+    """`python -m rapiddiff train unet ARGV` as a user launches it (several processes need their own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "rapiddiff", "train", "unet", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_ddp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> None:
     from rapiddiff.models.bundle import load_model_folder
@@ -113,31 +142,10 @@ def test_ddp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> Non
     two, one = tmp_path / "two", tmp_path / "one"
 
     def args(root: Path, steps: int, record: Path, *extra: str) -> list[str]:
-        return [
-            *tiny_unet_args(data, root, max_steps=steps),
-            "--trainer.logger=false",
-            "--checkpoint.every_n_train_steps=1",
-            "--checkpoint.save_top_k=-1",
-            "--samples.every_n_steps=1000",
-            "--samples.at_end=false",
-            "--trainer.callbacks+=tests.train.test_resume_world_size.RecordSamples",
-            f"--trainer.callbacks.path={record}",
-            *extra,
-        ]
+        return run_args(data, root, steps, record, *extra)
 
     # 2 processes (DDP, gloo), 3 steps; the checkpoint at step 1 is mid-epoch (4 of 8 examples seen).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "rapiddiff", "train", "unet"]
-    ddp = ["--trainer.strategy=ddp", "--trainer.devices=2"]
-    result = subprocess.run(
-        [*command, *args(two, 3, tmp_path / "two.txt"), *ddp],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch(tmp_path, args(two, 3, tmp_path / "two.txt", "--trainer.strategy=ddp", "--trainer.devices=2"))
     written = two / "checkpoints" / "step=0000001.ckpt"
     checkpoint = torch.load(written, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 1 and checkpoint["epoch"] == 0
@@ -270,31 +278,18 @@ def test_fsdp_checkpoint_from_two_processes_resumes_on_one(tmp_path: Path) -> No
     two, one = tmp_path / "two", tmp_path / "one"
 
     def args(root: Path, steps: int, record: Path, devices: int, *extra: str) -> list[str]:
-        return [
-            *tiny_unet_args(data, root, max_steps=steps),
-            "--trainer.logger=false",
+        fsdp = [
             "--trainer.strategy=fsdp",
             f"--trainer.devices={devices}",
-            "--model.ema=null",  # EMA is refused under FSDP
-            "--checkpoint.every_n_train_steps=1",
-            "--checkpoint.save_top_k=-1",
-            "--samples.every_n_steps=1000",
-            "--samples.at_end=false",
-            "--trainer.callbacks+=tests.train.test_resume_world_size.RecordSamples",
-            f"--trainer.callbacks.path={record}",
-            *extra,
-        ]
+            "--model.ema=null",
+        ]  # no EMA under FSDP
+        return run_args(data, root, steps, record, *fsdp, *extra)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "rapiddiff", "train", "unet"]
-    for argv in (
-        args(two, 2, tmp_path / "two.txt", 2),
+    launch(tmp_path, args(two, 2, tmp_path / "two.txt", 2))
+    launch(
+        tmp_path,
         args(one, 3, tmp_path / "one.txt", 1, f"--ckpt_path={two / 'checkpoints' / 'step=0000001.ckpt'}"),
-    ):
-        result = subprocess.run(
-            [*command, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+    )
 
     checkpoint = torch.load(two / "checkpoints" / "step=0000001.ckpt", map_location="cpu", weights_only=False)
     start = torch.load(f"{tmp_path / 'one.txt'}.start.pt", weights_only=False)
