@@ -20,14 +20,32 @@ jieba's ``get_DAG`` walks it) in an open-addressing hash table over code points 
 
 from __future__ import annotations
 
-import numba
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+
+try:
+    import numba
+
+    _njit: Callable[[Any], Any] = numba.njit(cache=True, nogil=True)
+except ImportError:  # e.g. a machine without llvmlite's 60 MB wheel: the same code, plain Python
+
+    def _njit(function: Any) -> Any:
+        @functools.wraps(function)
+        def plain(*args: Any) -> Any:
+            with np.errstate(over="ignore"):  # the hashes wrap on purpose, as compiled uint64 does
+                return function(*args)
+
+        return plain
+
 
 _MULT = np.uint64(1_000_003)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _in_jieba_block(c: int) -> bool:
     # linker._JIEBA_BLOCK's class [\u4e00-\u9fd5a-zA-Z0-9+#&._%-], on code points
     return (
@@ -45,22 +63,22 @@ def _in_jieba_block(c: int) -> bool:
     )
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _is_alnum(c: int) -> bool:
     return (97 <= c <= 122) or (65 <= c <= 90) or (48 <= c <= 57)
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _inside(block_at: np.ndarray, p: int, n: int) -> bool:
     return 0 < p < n and block_at[p] >= 0 and block_at[p - 1] == block_at[p]
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _slot(h: np.uint64, mask: int) -> int:
     return np.int64(((h * _MIX) >> np.uint64(20)) & np.uint64(mask))
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def build_words(pool: np.ndarray, offsets: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """jieba's words (code points ``pool[offsets[w]:offsets[w + 1]]``, weight ``weights[w]``) and
     every prefix of them as an open-addressing hash table: (slot → ``offset << 8 | length`` of the
@@ -86,7 +104,7 @@ def build_words(pool: np.ndarray, offsets: np.ndarray, weights: np.ndarray) -> t
     return table, slot_weight
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _find(table: np.ndarray, pool: np.ndarray, text: np.ndarray, k: int, ln: int, h: np.uint64) -> int:
     """The slot of ``text[k:k + ln]`` (hash ``h``) in a :func:`build_words` table, or the empty
     slot where it would go."""
@@ -108,7 +126,7 @@ def _find(table: np.ndarray, pool: np.ndarray, text: np.ndarray, k: int, ln: int
         s = (s + 1) & mask
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _jieba_words(
     cp: np.ndarray,
     k: int,
@@ -137,7 +155,7 @@ def _jieba_words(
     return count
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def build_set(keys: np.ndarray) -> np.ndarray:
     """Non-negative int64 ``keys`` as an open-addressing hash set (-1: empty)."""
     size = 2
@@ -152,7 +170,7 @@ def build_set(keys: np.ndarray) -> np.ndarray:
     return table
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def _contains(table: np.ndarray, key: int) -> bool:
     mask = table.size - 1
     s = _slot(np.uint64(key), mask)
@@ -163,7 +181,7 @@ def _contains(table: np.ndarray, key: int) -> bool:
     return False
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def jieba_dag(
     cp: np.ndarray, table: np.ndarray, slot_weight: np.ndarray, pool: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -186,7 +204,7 @@ def jieba_dag(
 SINGLE = (1 << 21) - 1  # above every code point: c << 21 | SINGLE is a one-character form's key
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def form_starts(cp: np.ndarray, heads: np.ndarray, singles: bool) -> np.ndarray:
     """Positions where a form may start: the two characters there are a form's first two (``heads``,
     a :func:`build_set` of ``c0 << 21 | c1``), or the character is a one-character form (``c << 21 |
@@ -204,7 +222,7 @@ def form_starts(cp: np.ndarray, heads: np.ndarray, singles: bool) -> np.ndarray:
     return out[:k]
 
 
-@numba.njit(cache=True, nogil=True)
+@_njit
 def check(
     cp: np.ndarray,
     qpos: np.ndarray,

@@ -322,3 +322,25 @@ def test_jieba_hash_table_is_jiebas_dictionary() -> None:
             frag = text[k : i + 1]
     assert got == expected
     assert len({s for s, _, _ in got}) > 0.9 * len(text)
+
+
+def test_word_check_without_numba_keeps_the_same_spans(
+    monkeypatch: pytest.MonkeyPatch, linker: EntityLinker
+) -> None:
+    """Where numba cannot be installed, linker_dp runs the same code as plain Python: same spans."""
+    import importlib
+    import sys
+
+    from rapiddiff.kg import linker_dp
+
+    texts = ["一碗番茄炒蛋和一个苹果", "番茄酱不是番茄", "北京烤鸭在北京", "这张图里只有一个苹果，位于左边"]
+    compiled = [linker.link(text) for text in texts]
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` now raises ImportError
+    try:
+        plain_module = importlib.reload(linker_dp)
+        assert not hasattr(plain_module.check, "py_func"), "check is still a numba dispatcher"
+        assert [linker.link(text) for text in texts] == compiled
+    finally:
+        monkeypatch.undo()
+        importlib.reload(linker_dp)
+    assert hasattr(linker_dp.check, "py_func")
