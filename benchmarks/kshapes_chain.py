@@ -296,7 +296,8 @@ class Chain:
                     text.append("--model.trainable=[unet]")
                 if self.cfg.unet_speed:
                     text += ["--model.speed.gpu_data=true", "--model.speed.foreach_ema=true",
-                             "--model.speed.cuda_graph=true", "--model.optim.fused=true"]  # fmt: skip
+                             "--model.speed.cuda_graph=true", "--model.optim.fused=true",
+                             "--model.speed.sync_every=10"]  # fmt: skip
                     if mode == "off":  # frozen text side: its states are cached once
                         text.append("--model.speed.cache_text=true")
                 jobs[f"unet_{mode}"] = self.training(

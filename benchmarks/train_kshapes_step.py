@@ -54,6 +54,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "optim": {"fused": True},
         "speed": {"gpu_data": True, "cache_text": True, "foreach_ema": True, "cuda_graph": True},
     },
+    "all+sync10": {  # `all` with the non-finite flag (and DDP's Ctrl-C agreement) read every 10 steps
+        "cache_latents": True,
+        "optim": {"fused": True},
+        "speed": {
+            "gpu_data": True,
+            "cache_text": True,
+            "foreach_ema": True,
+            "cuda_graph": True,
+            "sync_every": 10,
+        },
+    },
 }
 
 

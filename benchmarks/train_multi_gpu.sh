@@ -16,10 +16,10 @@ say "data"
 python3 -m rapiddiff data kshapes --out $DATA --train 1024 --val 16 --test 16 --hr-scale 0 >/dev/null 2>&1
 STEP=(--data $DATA --steps 30 --warmup 6 --workers 4)
 
-say "kshapes DDP with the captured step: 1 vs 2 GPUs (chain_off, all)"
+say "kshapes DDP with the captured step: 1 vs 2 GPUs (chain_off, all; all+sync10 = host syncs every 10 steps)"
 for n in 1 2; do
-    timeout 80 torchrun --standalone --nproc_per_node $n benchmarks/train_kshapes_step.py "${STEP[@]}" \
-        --out "$OUT_DIR/k$n" --scenes chain_off --variants all --devices $n 2>&1 | grep -E "^\||rror"
+    timeout 140 torchrun --standalone --nproc_per_node $n benchmarks/train_kshapes_step.py "${STEP[@]}" \
+        --out "$OUT_DIR/k$n" --scenes chain_off --variants all,all+sync10 --devices $n 2>&1 | grep -E "^\||rror"
 done
 
 COMMON=(--config configs/unet/kshapes.yaml --model.pretrained=rapiddiff/assets/model --data.train=$DATA/train

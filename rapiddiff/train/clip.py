@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
-from rapiddiff.train.common import RapidModule, ensure_finite, run_cli
+from rapiddiff.train.common import RapidModule, run_cli
 from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.utils.logging import get_logger
 
@@ -270,7 +270,7 @@ class CLIPTraining(RapidModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         text, image = self._features(batch, train=True)
         loss = self.model.contrastive_loss(text, image)
-        ensure_finite(loss, self.trainer)
+        self.check_finite(loss)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(text))
         self.log("train/logit_scale", self.model.logit_scale.exp(), batch_size=len(text))
         fusion = self.model.text_encoder.fusion

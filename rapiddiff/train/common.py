@@ -1,7 +1,8 @@
 """Training plumbing every stage shares (U-Net, fine-tune, VAE, upscaler, CLIP).
 
 - :class:`RapidModule`: a LightningModule base that reseeds torch at every batch from
-  ``(seed, rank, batch)`` and stops on a non-finite loss (:class:`NonFiniteLossError`).
+  ``(seed, rank, batch)`` and stops on a non-finite loss (:class:`NonFiniteLossError`; checked
+  every step, or every ``sync_every`` steps and before every save: :class:`DeferredFiniteCheck`).
 - Callbacks: :class:`RollingCheckpoint` (keep the last N, written atomically through
   :class:`AtomicCheckpointIO`), :class:`GracefulInterrupt` (Ctrl-C saves ``last.ckpt`` at the end of
   the step and exits), :class:`SampleGrid` (validation images to PNG and TensorBoard).
@@ -66,17 +67,79 @@ def ensure_finite(loss: torch.Tensor, trainer: pl.Trainer | None, what: str = "l
         finite = bool(trainer.strategy.reduce_boolean_decision(finite, all=True))
     if not finite:
         step = trainer.global_step if trainer is not None else "?"
-        where = ""
-        if trainer is not None and trainer.checkpoint_callback is not None:
-            last = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
-                trainer.checkpoint_callback, "best_model_path", ""
-            )
-            if last:
-                where = f" The last good checkpoint is {last}; resume from it with --ckpt_path."
         raise NonFiniteLossError(
             f"{what} is {loss.detach().float().mean().item()} at step {step}: training stopped, nothing "
-            f"of this step was saved.{where} Lower the learning rate, use bf16 instead of fp16, "
-            "or clip gradients (--trainer.gradient_clip_val=1.0)."
+            f"of this step was saved.{_last_good(trainer)}{_ADVICE}"
+        )
+
+
+_ADVICE = (
+    " Lower the learning rate, use bf16 instead of fp16, or clip gradients (--trainer.gradient_clip_val=1.0)."
+)
+
+
+def _last_good(trainer: pl.Trainer | None) -> str:
+    if trainer is None or trainer.checkpoint_callback is None:
+        return ""
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+    return f" The last good checkpoint is {last}; resume from it with --ckpt_path." if last else ""
+
+
+class DeferredFiniteCheck:
+    """:func:`ensure_finite` with the host reading the answer every ``every`` steps, not every step.
+
+    Each step only queues ``flag |= !isfinite(loss)`` (and the first bad step's number) on the
+    device, so the host goes on to the next step while the GPU works; a host-bound step (a small
+    U-Net) loses its one per-step wait. :meth:`flush` reads the flag — every ``every`` steps, and
+    before anything is saved (checkpoints, the export at the end), so no checkpoint ever holds a
+    step at or after a non-finite loss: the run still stops with the last good checkpoint, only up
+    to ``every - 1`` steps later. The weights in memory after the bad step are not kept.
+    """
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"the finite check runs every N >= 1 steps, got {every}")
+        self.every = every
+        self._bad: torch.Tensor | None = None  # bool, sticky
+        self._first: torch.Tensor | None = None  # int64, the first bad step (-1: none)
+        self._value: torch.Tensor | None = None  # the first bad loss
+        self._pending = False
+
+    def update(self, loss: torch.Tensor, trainer: pl.Trainer | None, what: str = "loss") -> None:
+        step = trainer.global_step if trainer is not None else 0
+        if self.every == 1:
+            ensure_finite(loss, trainer, what)
+            return
+        value = loss.detach().float().mean()
+        bad = ~torch.isfinite(value)
+        if self._bad is None:
+            self._bad, self._first, self._value = bad, torch.where(bad, step, -1), value
+        else:
+            new = bad & ~self._bad
+            self._first = torch.where(new, step, self._first)
+            self._value = torch.where(new, value, self._value)
+            self._bad = self._bad | bad
+        self._pending = True
+        if (step + 1) % self.every == 0:
+            self.flush(trainer, what)
+
+    def flush(self, trainer: pl.Trainer | None, what: str = "loss") -> None:
+        """Read the flag (one host sync; a collective on several ranks: every rank must call it)."""
+        if not self._pending or self._bad is None:
+            return
+        self._pending = False
+        bad = bool(self._bad)
+        if trainer is not None and trainer.world_size > 1:
+            bad = not bool(trainer.strategy.reduce_boolean_decision(not bad, all=True))
+        if not bad:
+            return
+        first = int(self._first) if self._first is not None else -1
+        where = f"at step {first}" if first >= 0 else "on another rank, within the last steps"
+        value = float(self._value) if first >= 0 and self._value is not None else float("nan")
+        raise NonFiniteLossError(
+            f"{what} is {value} {where} (checked every {self.every} steps): training stopped, nothing "
+            f"from that step on was saved.{_last_good(trainer)}{_ADVICE}"
         )
 
 
@@ -89,9 +152,29 @@ class RapidModule(pl.LightningModule):
     """
 
     seed: int = 0
+    sync_every: int = 1
+    """How often the host waits to read the non-finite-loss flag (:class:`DeferredFiniteCheck`)."""
+    _finite: DeferredFiniteCheck | None = None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         torch.manual_seed(batch_seed(self.seed, self.global_rank, self.trainer.fit_loop.total_batch_idx))
+
+    def check_finite(self, loss: torch.Tensor, what: str = "loss") -> None:
+        """Stop on a non-finite loss: now (``sync_every`` 1) or at the next read of the flag."""
+        if self._finite is None or self._finite.every != self.sync_every:
+            self._finite = DeferredFiniteCheck(self.sync_every)
+        self._finite.update(loss, self._trainer, what)
+
+    def flush_finite_check(self) -> None:
+        """Read a deferred non-finite flag now (before a save). Every rank must call it."""
+        if self._finite is not None:
+            self._finite.flush(self._trainer)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.flush_finite_check()  # raises before the file is written
+
+    def on_train_end(self) -> None:
+        self.flush_finite_check()  # before run_cli exports the model
 
     def sample_images(self) -> torch.Tensor | None:
         """Images [N, 3, H, W] in [0, 1] for the validation grid (fixed inputs, fixed seeds)."""
@@ -272,6 +355,10 @@ class GracefulInterrupt(Callback):
     ) -> None:
         requested = self.requested
         if trainer.world_size > 1:  # all ranks save at the same step
+            # A collective and a host sync: asked every `sync_every` steps only (the module's
+            # setting), so a host-bound step does not wait on it (Ctrl-C saves that much later).
+            if trainer.global_step % max(1, getattr(pl_module, "sync_every", 1)):
+                return
             requested = bool(trainer.strategy.reduce_boolean_decision(requested, all=False))
         if not requested or self.interrupted:
             return
@@ -319,6 +406,8 @@ class SampleGrid(Callback):
         sampler = getattr(pl_module, "sample_images", None)
         if sampler is None:
             return None
+        if isinstance(pl_module, RapidModule):
+            pl_module.flush_finite_check()  # no grid of diverged weights (every rank runs this)
         was_training = pl_module.training
         pl_module.eval()
         started = time.perf_counter()

@@ -47,6 +47,11 @@ class SpeedConfig:
     every distinct caption's hidden states are computed once and gathered per step."""
     foreach_ema: bool = False
     """EMA update as one ``torch._foreach_lerp_`` over a cached parameter list (same state format)."""
+    sync_every: int = 1
+    """Read the device's non-finite-loss flag (and, on several GPUs, agree on a Ctrl-C) every N steps
+    instead of every step, so the host queues the next step while the GPU works. A non-finite loss
+    still stops the run before any checkpoint or export holds it (the flag is read before every
+    save), up to N - 1 steps after it happened; the error names the step. 1: read every step."""
     cuda_graph: bool = False
     """Capture the step's forward, loss and backward (the U-Net's, and the text side's when fusion or
     the tower trains) as one CUDA graph after a few eager steps and replay it every step (one GPU or

@@ -29,7 +29,6 @@ from rapiddiff.train.common import (
     RapidCLI,
     RapidModule,
     configure_adamw,
-    ensure_finite,
     run_cli,
 )
 from rapiddiff.train.data import ImageTextData, TokenMemo
@@ -158,6 +157,7 @@ class LatentDiffusion(RapidModule):
         self.save_hyperparameters()
         self.loss_cfg, self.optim_cfg, self.sampling, self.seed = loss, optim, sampling, seed
         self.cache_latents, self.speed = cache_latents, speed
+        self.sync_every = speed.sync_every
         _check_speed(speed, cache_latents, list(trainable))
         parts = load_components(
             pretrained=pretrained,
@@ -286,7 +286,7 @@ class LatentDiffusion(RapidModule):
         else:
             context = text if isinstance(text, torch.Tensor) else self.text_forward(text)  # (B, L, D)
             loss = self.denoising_loss(latents, context)
-        ensure_finite(loss, self._trainer)
+        self.check_finite(loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -562,6 +562,7 @@ class LatentDiffusion(RapidModule):
         return {_plain_name(n) for n, p in self.named_parameters() if p.requires_grad}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # a deferred non-finite check stops the save first
         # Only what training changes: frozen weights come back from the config's sources.
         trained = self._trained_names()
         frozen = {_plain_name(n) for n, _ in self.named_parameters()} - trained
@@ -743,6 +744,10 @@ def _check_speed(speed: SpeedConfig, cache_latents: bool, trainable: list[str]) 
     if speed.cuda_graph and speed.compile:
         raise ValueError(
             "speed.cuda_graph and speed.compile: choose one (a compiled U-Net is not captured here)"
+        )
+    if speed.sync_every < 1:
+        raise ValueError(
+            f"speed.sync_every is a number of steps >= 1 (1: every step), got {speed.sync_every}"
         )
 
 

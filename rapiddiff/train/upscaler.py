@@ -26,7 +26,6 @@ from rapiddiff.train.common import (
     RapidCLI,
     RapidModule,
     configure_adamw,
-    ensure_finite,
     psnr,
     run_cli,
 )
@@ -167,7 +166,7 @@ class UpscalerTraining(RapidModule):
             generator_term, critic_loss = adversarial_losses(self.critic, high.float(), upscaled.float())
             self.log("train/critic", critic_loss)
             loss = loss + self.gan_cfg.weight * generator_term + critic_loss
-        ensure_finite(loss, self._trainer)
+        self.check_finite(loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

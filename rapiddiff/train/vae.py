@@ -24,7 +24,6 @@ from rapiddiff.train.common import (
     RapidCLI,
     RapidModule,
     configure_adamw,
-    ensure_finite,
     psnr,
     run_cli,
 )
@@ -128,7 +127,7 @@ class VAETraining(RapidModule):
         loss = self.reconstruction_loss(reconstruction, images)
         loss = loss + self.loss_cfg.kl_weight * posterior.kl().mean() / images[0].numel()
         loss = loss + self.adversarial_loss(images, reconstruction)
-        ensure_finite(loss, self._trainer)
+        self.check_finite(loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

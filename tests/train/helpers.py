@@ -144,13 +144,15 @@ class SendCtrlC(Callback):
 
 
 class PoisonWeights(Callback):
-    """Sets every trained weight to NaN before the batch of optimizer step ``step`` (a diverged run)."""
+    """Sets every trained weight to NaN before the batch of optimizer step ``step`` (a diverged run),
+    on every rank or on ``rank`` only."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, rank: int | None = None) -> None:
         self.step = step
+        self.rank = rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             with torch.no_grad():
                 for p in pl_module.parameters():
                     if p.requires_grad:

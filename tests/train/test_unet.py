@@ -89,17 +89,35 @@ def test_ctrl_c_saves_and_resume_reproduces_the_uninterrupted_losses(
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
-def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sync_every", "every", "kept"),
+    [
+        (1, 2, {"step=0000002.ckpt", "last.ckpt"}),
+        # The flag is read at steps 2 and 5; the save at step 4 reads it first and is not written.
+        (3, 2, {"step=0000002.ckpt", "last.ckpt"}),
+        # Never read during the 6 steps: the end of the run reads it before the export.
+        (10, 100, set()),
+    ],
+)
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
+    data: Path, tmp_path: Path, sync_every: int, every: int, kept: set[str]
+) -> None:
     root = tmp_path / "run"
     args = [
         *tiny_unet_args(data, root, 6),
+        f"--checkpoint.every_n_train_steps={every}",
+        f"--samples.every_n_steps={every}",
+        f"--model.speed.sync_every={sync_every}",
         "--trainer.callbacks+=tests.train.helpers.PoisonWeights",
         "--trainer.callbacks.step=3",
     ]
     with pytest.raises(NonFiniteLossError, match="step 3"):
         unet_stage.cli_main(args)
     names = {p.name for p in (root / "checkpoints").glob("*.ckpt")}
-    assert names == {"step=0000002.ckpt", "last.ckpt"}
+    assert names == kept
+    if not kept:
+        assert not (root / "model").exists()
+        return
     module = unet_stage.LatentDiffusion.load_from_checkpoint(root / "checkpoints" / "last.ckpt")
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert not (root / "model").exists()
