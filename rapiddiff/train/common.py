@@ -335,6 +335,9 @@ class GracefulInterrupt(Callback):
             self._previous = signal.signal(signal.SIGINT, self._handler)
         except ValueError:  # not the main thread: leave signals alone
             self._previous = None
+        every = max(1, getattr(pl_module, "sync_every", 1))
+        if trainer.world_size > 1 and every > 1:
+            throttle_sigterm_broadcast(trainer, every)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
@@ -369,6 +372,30 @@ class GracefulInterrupt(Callback):
         log.warning("saved %s at step %d; resume with --ckpt_path %s", path, trainer.global_step, path)
         self.interrupted = True
         trainer.should_stop = True
+
+
+def throttle_sigterm_broadcast(trainer: pl.Trainer, every: int) -> bool:
+    """Lightning's SIGTERM agreement under DDP every ``every`` steps instead of every step.
+
+    Lightning (2.5+) broadcasts rank 0's SIGTERM flag at the start of every training batch and reads
+    it with ``.item()``: a collective and a host sync per step, which a host-bound step (a small
+    U-Net) pays in full. Lightning has no setting for it, so the loop's own method is wrapped on this
+    trainer's instance (not the class); every rank has the same global step, so all still call the
+    collective together, and a SIGTERM is honoured up to ``every - 1`` steps later. Returns False
+    (and changes nothing) where this Lightning has no such method.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    broadcast = getattr(loop, "_broadcast_sigterm_tensor", None)
+    if broadcast is None or getattr(broadcast, "throttled", False):
+        return broadcast is not None
+
+    def every_n_steps() -> None:
+        if trainer.global_step % every == 0:
+            broadcast()
+
+    every_n_steps.throttled = True  # type: ignore[attr-defined]
+    loop._broadcast_sigterm_tensor = every_n_steps
+    return True
 
 
 # ----------------------------------------------------------------------------- sample grids

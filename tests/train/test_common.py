@@ -36,3 +36,26 @@ def test_sampler_shards_ranks_and_resumes_at_a_batch() -> None:
     done["batches"] = 3  # one batch into epoch 1
     epoch1 = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=3, position=lambda: 2)
     assert list(ranks[0]) == list(epoch1)[2:]
+
+
+def test_sigterm_broadcast_is_asked_every_n_steps_on_the_trainers_own_loop() -> None:
+    from types import SimpleNamespace
+
+    from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from rapiddiff.train.common import throttle_sigterm_broadcast
+
+    # The method this wraps must still exist in the installed Lightning (else the per-step sync is back).
+    assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+    asked: list[int] = []
+    trainer = SimpleNamespace(global_step=0)
+    loop = SimpleNamespace(_broadcast_sigterm_tensor=lambda: asked.append(trainer.global_step))
+    trainer.fit_loop = SimpleNamespace(epoch_loop=loop)
+    assert throttle_sigterm_broadcast(trainer, 3)
+    assert throttle_sigterm_broadcast(trainer, 3)  # a second fit: not wrapped twice
+    for step in range(8):
+        trainer.global_step = step
+        loop._broadcast_sigterm_tensor()
+    assert asked == [0, 3, 6]
+    bare = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    assert not throttle_sigterm_broadcast(bare, 3)
