@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ log = get_logger(__name__)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LOOPS = ("graph", "resident", "eager")
+# compile_regions: the U-Net's repeated blocks (diffusers' _repeated_blocks names only the first).
+REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
 
 
 @dataclass
@@ -76,6 +79,11 @@ class AccelerateConfig:
     """Compute the cross-attention K/V of every layer once per image (they depend only on the prompt)."""
     compile_unet: str | None = "default"
     """torch.compile mode for the U-Net (one of COMPILE_MODES), or None for eager."""
+    compile_regions: bool = False
+    """Regional compilation: compile_unet's mode applied to each repeated block of the U-Net
+    (transformer and ResNet blocks) instead of the whole U-Net. Dynamo then traces each distinct
+    block shape once, so a new process with the compile cache traces far less; the glue between
+    blocks (time embedding, down/upsampling convolutions, conv_in/out) runs eager."""
     compile_vae: str | None = "default"
     """torch.compile mode for the VAE decoder, or None."""
     compile_text_encoder: str | None = None
@@ -169,6 +177,7 @@ class GraphDenoiser:
         self._eager_reasons: set[str] = set()
         self._cache_state = "none"
         self._aoti: fast_aoti.PackageStore | None = None
+        self._aoti_calls: dict[str, Any] = {}  # part + key fields → loaded package (or None: fall back)
         self._apply()
 
     # ---- switches -------------------------------------------------------------------------------
@@ -287,7 +296,12 @@ class GraphDenoiser:
             # Inductor's own CUDA graphs cannot live inside the captured loop.
             unet_mode = "default" if unet_mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
             self._set("compile_unet", f"fallback: {unet_mode} (the loop graph already captures the U-Net)")
-        if unet_mode:
+        if unet_mode and cfg.compile_regions:
+            blocks = [m for m in self.unet.modules() if type(m).__name__ in REGION_BLOCKS]
+            for block in blocks:
+                block.compile(mode=unet_mode, fullgraph=True, dynamic=False)
+            self._set("compile_unet", f"{unet_mode}, regional ({len(blocks)} blocks)")
+        elif unet_mode:
             self.unet.compile(mode=unet_mode, fullgraph=True, dynamic=False)
             self.report.setdefault("compile_unet", unet_mode)
         else:
@@ -530,12 +544,15 @@ class GraphDenoiser:
         loaded = {}
         with self._eager_modules(), torch.no_grad():
             for part, (module, args) in parts.items():
-                backends = [[*k, b] for k, b in sorted(self._backends.items())] if part == "unet" else []
-                call, status, _ = self._aoti.resolve(
-                    part, module, args, fields[part], device, dtype, extra={"backends": backends}
-                )
-                self._set(f"aoti_{part}", status)
-                loaded[part] = call
+                memo = part + json.dumps(fields[part], sort_keys=True)
+                if memo not in self._aoti_calls:  # once per process: a new loop of the same shape reuses it
+                    backends = [[*k, b] for k, b in sorted(self._backends.items())] if part == "unet" else []
+                    call, status, _ = self._aoti.resolve(
+                        part, module, args, fields[part], device, dtype, extra={"backends": backends}
+                    )
+                    self._set(f"aoti_{part}", status)
+                    self._aoti_calls[memo] = call
+                loaded[part] = self._aoti_calls[memo]
         if loaded["unet"] is not None:
             unet_call = loaded["unet"]
 
@@ -549,13 +566,17 @@ class GraphDenoiser:
     @contextlib.contextmanager
     def _eager_modules(self) -> Any:
         """The U-Net and decoder without their torch.compile wrappers (torch.export traces the modules)."""
-        compiled_call = self.unet._compiled_call_impl
+        compiled = [
+            (m, m._compiled_call_impl) for m in self.unet.modules() if m._compiled_call_impl is not None
+        ]
         compiled_decode = self.vae.__dict__.pop("decode", None)
-        self.unet._compiled_call_impl = None
+        for module, _ in compiled:
+            module._compiled_call_impl = None
         try:
             yield
         finally:
-            self.unet._compiled_call_impl = compiled_call
+            for module, call in compiled:
+                module._compiled_call_impl = call
             if compiled_decode is not None:
                 self.vae.decode = compiled_decode
 

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
     switches = parse_switches(args.switches)
     mode = "build" if args.action == "export" else "load"
+    if mode == "load":  # a check compiles nothing: where a package is missing, run the modules eager
+        switches = {"compile_unet": None, "compile_vae": None, **switches}
     config = AccelerateConfig(aoti=mode, aoti_dir=args.dir, **switches)
     pipe = RapidDiffusionPipeline.from_pretrained(args.model, device=resolve_device(args.device))
     pipe = accelerate(pipe, config)
