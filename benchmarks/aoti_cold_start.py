@@ -69,9 +69,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def child(spec: dict[str, Any]) -> None:
     import torch
 
-    imported = time.time()
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
+
+    imported = time.time()  # torch, diffusers, transformers, rapiddiff
 
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])

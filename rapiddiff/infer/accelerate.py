@@ -588,8 +588,10 @@ class GraphDenoiser:
             self.report["compile_cache"] = self._cache_state
 
     def clear(self) -> None:
-        """Drop the captured loops (and their memory pools)."""
+        """Drop the captured loops (and their memory pools) and the loaded packages: the next loop
+        checks its packages again (after a change to the modules, e.g. new LoRA layers)."""
         self._loops.clear()
+        self._aoti_calls.clear()
 
 
 def _make_plan(

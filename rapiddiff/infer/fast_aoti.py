@@ -271,7 +271,7 @@ def build_package(
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp), inductor_configs=dict(INDUCTOR_CONFIGS)
         )
-        names = sorted(torch._inductor.aoti_load_package(str(tmp)).get_constant_fqns())
+        names = sorted(open_package(tmp).get_constant_fqns())
         live = live_constants(module)
         foreign = [n for n in names if n not in live]
         if foreign:  # a constant export made up (not a parameter/buffer): we could not supply it on load
@@ -304,10 +304,27 @@ def build_package(
     return manifest
 
 
+def open_package(path: Path) -> Any:
+    """``torch._inductor.aoti_load_package`` without its device-information probe.
+
+    That probe (``pick_vec_isa``) compiles small C++ programs to find the CPU's vector ISA on every
+    load in a process whose Inductor cache is empty — even for a CUDA package — and only logs a
+    mismatch (measured: 23 s of a 25 s load on the 2-core box). The key check has already compared
+    the device fields, so the package is opened with the same loader torch's function constructs.
+    """
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (ImportError, AttributeError, TypeError):  # another torch version: its own loader
+        return torch._inductor.aoti_load_package(str(path))
+    return AOTICompiledModel(loader)
+
+
 def load_package(path: Path, module: torch.nn.Module, manifest: dict[str, Any]) -> Callable[..., Any]:
     """Load a checked package and point it at ``module``'s live parameters; returns the callable."""
     try:
-        compiled = torch._inductor.aoti_load_package(str(path))
+        compiled = open_package(path)
     except Exception as err:  # the loader raises RuntimeError or worse on a bad archive
         raise PackageError(
             f"{path}: not a loadable AOTInductor package ({type(err).__name__}: {str(err)[:200]}); "
