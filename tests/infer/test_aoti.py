@@ -414,3 +414,28 @@ def test_regional_compilation_matches_the_uncompiled_fast_path(tiny_model):
     blocks = sum(type(m).__name__ in ("BasicTransformerBlock", "ResnetBlock2D") for m in fast.unet.modules())
     assert f"({blocks} blocks)" in fast.report["compile_unet"] and blocks > 4
     assert torch.allclose(out.latents, reference.latents, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_passes_aoti_to_the_fast_path(tiny_model, tmp_path, monkeypatch, capsys):
+    import importlib.machinery
+    import types
+
+    from rapiddiff.cli import main
+
+    cli = ["generate", "x", "--model", str(tiny_model), "--steps", "2", "--device", "cpu", "--no-progress"]
+    assert main([*cli, "--aoti", "load", "--out", str(tmp_path)]) == 2
+    assert "--aoti needs --fast" in capsys.readouterr().err
+    seen = []
+
+    def fake_accelerate(pipe, **switches):
+        seen.append(switches)
+        return pipe  # no denoiser swap: the eager loop runs
+
+    name = "rapiddiff.infer.accelerate"
+    fake = types.ModuleType(name)
+    fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    fake.accelerate = fake_accelerate
+    monkeypatch.setitem(sys.modules, name, fake)
+    assert main([*cli, "--fast", "--aoti", "build", "--out", str(tmp_path / "a")]) == 0
+    assert main([*cli, "--fast", "--out", str(tmp_path / "b")]) == 0
+    assert seen == [{"aoti": "build"}, {}]
