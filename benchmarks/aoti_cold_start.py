@@ -274,6 +274,36 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plan_processes(variants: list[str], rounds: int) -> list[tuple[str, int]]:
+    """Most important first, so a time budget cuts the least: packages vs today's compile cache
+    (with the cache's cold first process), their further rounds in rotated order, then regional."""
+    plan = [("aoti", 0)] if "aoti" in variants else []
+    if "compile" in variants:
+        plan += [("compile-cold", 0), ("compile-cache", 0)]
+    pair = [v for v, name in (("aoti", "aoti"), ("compile-cache", "compile")) if name in variants]
+    for n in range(1, rounds):
+        plan += [(v, n) for v in (pair[::-1] if n % 2 else pair)]
+    if "regional" in variants:
+        plan += [("regional-cold", 0), ("regional-cache", 0)]
+        plan += [("regional-cache", n) for n in range(1, rounds)]
+    return plan
+
+
+def tally(result: dict[str, Any], out: Path) -> None:
+    """Medians of the warm processes and parity against compile-cache (from what has run so far)."""
+    for variant in ("aoti", "compile-cache", "regional-cache"):
+        rows = [r for r in result["processes"] if r["variant"] == variant and "error" not in r]
+        if rows:
+            result.setdefault("medians", {})[variant] = {
+                k: statistics.median(r[k] for r in rows) for k in ("first_image_s", "full_speed_s", "it_s")
+            }
+    for variant in ("aoti", "regional-cache"):
+        if (out / f"result-{variant}-0.pt").exists() and (out / "result-compile-cache-0.pt").exists():
+            result.setdefault("parity", {})[variant] = parity(
+                out, f"result-{variant}-0.pt", "result-compile-cache-0.pt"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
@@ -319,14 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         print("export:", json.dumps(result["export"], default=str)[:600], flush=True)
         # Most important first, so a budget cut loses the least: aoti, the cache's first (cold)
         # process, today's second process; then further rounds alternating which goes first.
-        warm = {"aoti": "aoti", "compile": "compile-cache", "regional": "regional-cache"}
-        plan = [("aoti", 0)] if "aoti" in args.variants else []
-        for v in ("compile", "regional"):
-            plan += [(f"{v}-cold", 0), (f"{v}-cache", 0)] if v in args.variants else []
-        for n in range(1, args.rounds):
-            names = [warm[v] for v in args.variants]
-            shift = n % len(names)  # rotate which goes first
-            plan += [(v, n) for v in names[shift:] + names[:shift]]
+        plan = plan_processes(args.variants, args.rounds)
         if "error" in result["export"]:
             plan = [p for p in plan if p[0] != "aoti"]
         for variant, n in plan:
@@ -337,19 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             row["round"] = n
             result["processes"].append(row)
             print(variant, n, json.dumps(row, default=str)[:600], flush=True)
+            tally(result, out)  # after every process: a run cut short keeps its medians and parity
             save()
-        for variant in ("aoti", "compile-cache", "regional-cache"):
-            rows = [r for r in result["processes"] if r["variant"] == variant and "error" not in r]
-            if rows:
-                result.setdefault("medians", {})[variant] = {
-                    k: statistics.median(r[k] for r in rows)
-                    for k in ("first_image_s", "full_speed_s", "it_s")
-                }
-        for variant in ("aoti", "regional-cache"):
-            if (out / f"result-{variant}-0.pt").exists() and (out / "result-compile-cache-0.pt").exists():
-                result.setdefault("parity", {})[variant] = parity(
-                    out, f"result-{variant}-0.pt", "result-compile-cache-0.pt"
-                )
         save()
         print(summary(result), flush=True)
     finally:

@@ -439,3 +439,37 @@ def test_generate_passes_aoti_to_the_fast_path(tiny_model, tmp_path, monkeypatch
     assert main([*cli, "--fast", "--aoti", "build", "--out", str(tmp_path / "a")]) == 0
     assert main([*cli, "--fast", "--out", str(tmp_path / "b")]) == 0
     assert seen == [{"aoti": "build"}, {}]
+
+
+def test_cold_start_benchmark_plans_the_key_comparison_first_and_summarises_failures():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "aoti_cold_start", REPO / "benchmarks" / "aoti_cold_start.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    plan = bench.plan_processes(["aoti", "compile", "regional"], 2)
+    assert plan[:5] == [
+        ("aoti", 0),
+        ("compile-cold", 0),
+        ("compile-cache", 0),
+        ("compile-cache", 1),
+        ("aoti", 1),
+    ]
+    assert plan[5:] == [("regional-cold", 0), ("regional-cache", 0), ("regional-cache", 1)]
+    assert bench.plan_processes(["compile"], 1) == [("compile-cold", 0), ("compile-cache", 0)]
+    meta = {"device": "cpu", "torch": "x", "date": "d", "model": "m", "steps": 2, "guidance": 7.5}
+    row = {"variant": "aoti", "imported_s": 1.0, "loaded_s": 2.0, "accelerated_s": 2.5, "first_image_s": 4.0}
+    row |= {"full_speed_s": 4.2, "it_s": 10.0, "report": {"aoti_unet": "loaded unet-x.pt2 (0.01 s)"}}
+    text = bench.summary(
+        {
+            "meta": meta,
+            "export": {"error": "boom: no compiler"},
+            "processes": [row, {"variant": "compile-cold", "error": "Traceback ... OutOfMemoryError"}],
+            "parity": {"aoti": {"latent_rel_err": 1e-3, "psnr_db": 50.0}},
+        }
+    )
+    assert "export: boom: no compiler" in text and "| aoti | 1.0 | 2.0 | 2.5 | 4.0 | 4.2 | 10.0 |" in text
+    assert "| compile-cold | failed: " in text and "OutOfMemoryError" in text
+    assert "aoti vs compile-cache: latent rel. err 1.0e-03, image PSNR 50.0 dB" in text
