@@ -16,6 +16,9 @@ not linear, ``eta`` > 0, inpainting's per-pixel blending) runs the one eager loo
 :mod:`rapiddiff.models.sampling` on the transformed modules, with the reason logged once.
 DeepCache (a job's ``deep_cache`` > 1) runs on the loop too: its full/cached pattern is fixed per
 evaluation index, so the captured graph holds it (one captured loop per interval).
+With ``aoti="load"`` the loop calls AOTInductor packages of the U-Net and the VAE decoder
+(:mod:`rapiddiff.infer.fast_aoti`, built by ``rapiddiff accelerate export``) instead of the
+torch.compile'd modules, so a new process skips Dynamo's tracing; everything else is the same loop.
 
     from rapiddiff.infer.accelerate import accelerate
     pipe = accelerate(pipe)                     # everything that pays, on this machine
