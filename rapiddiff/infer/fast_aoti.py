@@ -238,11 +238,10 @@ def check_package(path: Path, wanted: dict[str, Any], module: torch.nn.Module | 
                 f"first {first}: {built.get(first)} → {layout.get(first)})"
             )
     size = path.stat().st_size
-    if size != manifest.get("size") or _sha256(path) != manifest.get("sha256"):
-        return (
-            f"corrupt: {path.name} is not the file its manifest describes "
-            f"({size} bytes, manifest says {manifest.get('size')}; SHA-256 differs)"
-        )
+    if size != manifest.get("size"):
+        return f"corrupt: {path.name} has {size} bytes, its manifest says {manifest.get('size')}"
+    if _sha256(path) != manifest.get("sha256"):
+        return f"corrupt: {path.name}'s SHA-256 differs from its manifest's"
     return None
 
 
