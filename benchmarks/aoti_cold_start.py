@@ -17,7 +17,7 @@ One run, on one GPU (results under ``--out``, default $OUT):
 4. parity: the ``aoti`` and ``regional-cache`` processes' final latents and first images against
    ``compile-cache``'s.
 
-    python benchmarks/aoti_cold_start.py --preset sd15 --steps 50 --rounds 2 --budget-s 540
+    python benchmarks/aoti_cold_start.py --preset sd15 --steps 50 --rounds 2 --budget-s 450 --timeout-s 300
 
 ``--preset tiny --device cpu`` runs the same sequence on a CPU (a smoke test of the script, not a
 GPU figure).
