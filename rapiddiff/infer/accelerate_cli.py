@@ -27,7 +27,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="<action>")
     sub.required = True
     for name, help_text in (
-        ("export", "build the packages for these shapes and switches (minutes per package on a GPU)"),
+        (
+            "export",
+            "build the packages for these shapes and switches (each one compiled by Inductor and the host C++ compiler)",
+        ),
         ("check", "say whether each package would load here, and why not (builds nothing)"),
     ):
         cmd = sub.add_parser(name, help=help_text, description=help_text)
