@@ -560,7 +560,9 @@ class GraphDenoiser:
             unet_call = loaded["unet"]
 
             def unet_fn(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, kv: Any) -> torch.Tensor:
-                return unet_call(x, t, ctx, kv if kv is not None else {})
+                # t is timesteps[i], a view at an 8-byte offset: a fresh copy keeps the 16-byte
+                # alignment the compiled kernels may assume (torch.compile would guard on it).
+                return unet_call(x, t.clone(), ctx, kv if kv is not None else {})
 
         if loaded["decoder"] is not None:
             decode_fn = loaded["decoder"]
