@@ -265,7 +265,11 @@ def exported(tiny_model, tmp_path_factory):
     as a user runs it), and the uncompiled fast path's output on the same call as the reference."""
     model = tmp_path_factory.mktemp("aoti") / "model"
     shutil.copytree(tiny_model, model)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # Inductor keeps AOTI's precompiled headers (~440 MB) under the temp folder whatever
+    # TORCHINDUCTOR_CACHE_DIR says: give the export a temp folder pytest cleans up.
+    scratch = tmp_path_factory.mktemp("aoti-tmp")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
     cmd = [
         sys.executable,
         "-m",
