@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rapiddiff.infer.generate_cli",
         "text → images: sample a model folder to PNGs that record their settings",
     ),
+    "accelerate": (
+        "rapiddiff.infer.accelerate_cli",
+        "AOTInductor packages of the fast path beside a model folder: export, check",
+    ),
     "bench": (
         "rapiddiff.infer.bench_cli",
         "benchmark: stock diffusers vs torch.compile recipe vs rapiddiff's fast path",

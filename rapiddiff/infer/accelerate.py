@@ -16,6 +16,9 @@ not linear, ``eta`` > 0, inpainting's per-pixel blending) runs the one eager loo
 :mod:`rapiddiff.models.sampling` on the transformed modules, with the reason logged once.
 DeepCache (a job's ``deep_cache`` > 1) runs on the loop too: its full/cached pattern is fixed per
 evaluation index, so the captured graph holds it (one captured loop per interval).
+With ``aoti="load"`` the loop calls AOTInductor packages of the U-Net and the VAE decoder
+(:mod:`rapiddiff.infer.fast_aoti`, built by ``rapiddiff accelerate export``) instead of the
+torch.compile'd modules, so a new process skips Dynamo's tracing; everything else is the same loop.
 
     from rapiddiff.infer.accelerate import accelerate
     pipe = accelerate(pipe)                     # everything that pays, on this machine
@@ -25,13 +28,16 @@ evaluation index, so the captured graph holds it (one captured loop per interval
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from rapiddiff.infer import fast_attention
+from rapiddiff.infer import fast_aoti, fast_attention
 from rapiddiff.infer.fast_cache import (
     load_backend_table,
     load_compile_cache,
@@ -55,6 +61,8 @@ log = get_logger(__name__)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LOOPS = ("graph", "resident", "eager")
+# compile_regions: the U-Net's repeated blocks (diffusers' _repeated_blocks names only the first).
+REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
 
 
 @dataclass
@@ -74,6 +82,11 @@ class AccelerateConfig:
     """Compute the cross-attention K/V of every layer once per image (they depend only on the prompt)."""
     compile_unet: str | None = "default"
     """torch.compile mode for the U-Net (one of COMPILE_MODES), or None for eager."""
+    compile_regions: bool = False
+    """Regional compilation: compile_unet's mode applied to each repeated block of the U-Net
+    (transformer and ResNet blocks) instead of the whole U-Net. Dynamo then traces each distinct
+    block shape once, so a new process with the compile cache traces far less; the glue between
+    blocks (time embedding, down/upsampling convolutions, conv_in/out) runs eager."""
     compile_vae: str | None = "default"
     """torch.compile mode for the VAE decoder, or None."""
     compile_text_encoder: str | None = None
@@ -88,6 +101,13 @@ class AccelerateConfig:
     the first compiled run if not, so a new process skips recompiling."""
     max_graphs: int = 2
     """How many captured loops (one per batch/size/steps) to keep; each holds its own memory pool."""
+    aoti: str = "off"
+    """AOTInductor packages of the U-Net and VAE decoder in place of torch.compile in the GPU loop
+    (:mod:`rapiddiff.infer.fast_aoti`): "off"; "load": use the package built for this GPU, torch,
+    shape and switches, else torch.compile with the reason logged; "build": also export a missing or
+    stale package (minutes), then load it — what ``rapiddiff accelerate export`` does."""
+    aoti_dir: str | None = None
+    """Folder of the packages; None: ``<the pipeline's model folder>/accelerated``."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
@@ -101,6 +121,8 @@ class AccelerateConfig:
                 raise ValueError(f"{key} must be None or one of {', '.join(COMPILE_MODES)}; got {mode!r}")
         if self.loop not in LOOPS:
             raise ValueError(f"loop must be one of {', '.join(LOOPS)}; got {self.loop!r}")
+        if self.aoti not in fast_aoti.MODES:
+            raise ValueError(f"aoti must be one of {', '.join(fast_aoti.MODES)}; got {self.aoti!r}")
 
     @classmethod
     def off(cls, **overrides: Any) -> AccelerateConfig:
@@ -157,6 +179,8 @@ class GraphDenoiser:
         self._plans: dict[tuple, LinearPlan | ClippedDDIMPlan | str] = {}
         self._eager_reasons: set[str] = set()
         self._cache_state = "none"
+        self._aoti: fast_aoti.PackageStore | None = None
+        self._aoti_calls: dict[str, Any] = {}  # part + key fields → loaded package (or None: fall back)
         self._apply()
 
     # ---- switches -------------------------------------------------------------------------------
@@ -226,6 +250,25 @@ class GraphDenoiser:
         else:
             self._loop_kind = cfg.loop
             self._set("loop", cfg.loop)
+        self._setup_aoti()
+
+    def _setup_aoti(self) -> None:
+        cfg = self.config
+        if cfg.aoti == "off":
+            self._set("aoti", "off")
+            return
+        model_path = getattr(self.pipe, "model_path", None)
+        folder = cfg.aoti_dir or (str(Path(model_path) / fast_aoti.PACKAGE_DIR) if model_path else None)
+        if folder is None:
+            self._set(
+                "aoti", "fallback: torch.compile (no model folder to keep packages beside; pass aoti_dir)"
+            )
+        elif self._loop_kind == "eager":
+            self._set("aoti", "fallback: torch.compile (packages serve the GPU loop; loop=eager)")
+        else:
+            weights_root = Path(model_path) if model_path else None
+            self._aoti = fast_aoti.PackageStore(Path(folder), weights_root, cfg.aoti)
+            self._set("aoti", f"{cfg.aoti} ({folder}; per shape at first use)")
 
     def _install_attention(self) -> None:
         cfg = self.config
@@ -256,7 +299,12 @@ class GraphDenoiser:
             # Inductor's own CUDA graphs cannot live inside the captured loop.
             unet_mode = "default" if unet_mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
             self._set("compile_unet", f"fallback: {unet_mode} (the loop graph already captures the U-Net)")
-        if unet_mode:
+        if unet_mode and cfg.compile_regions:
+            blocks = [m for m in self.unet.modules() if type(m).__name__ in REGION_BLOCKS]
+            for block in blocks:
+                block.compile(mode=unet_mode, fullgraph=True, dynamic=False)
+            self._set("compile_unet", f"{unet_mode}, regional ({len(blocks)} blocks)")
+        elif unet_mode:
             self.unet.compile(mode=unet_mode, fullgraph=True, dynamic=False)
             self.report.setdefault("compile_unet", unet_mode)
         else:
@@ -391,14 +439,24 @@ class GraphDenoiser:
             while len(self._loops) >= max(1, self.config.max_graphs):
                 self._loops.pop(next(iter(self._loops)))  # oldest first; its graph pool is freed
             _, _, h, w = noise_shape
+            aoti = self._aoti is not None and deep_cache <= 1
+            if aoti:
+                self._adopt_package_backends(plan, noise_shape, context_shape)
+            elif self._aoti is not None:
+                self._set(
+                    "aoti_unet", "fallback: torch.compile (DeepCache rewires the U-Net's blocks per step)"
+                )
             self._ensure_backends(context_shape[0], h, w, context_shape[1])
             graph = self._loop_kind == "graph"
             unet_fn: Any = self._unet_fn
+            decode_fn: Any = functools.partial(sampling.decode, self.vae)
             if deep_cache > 1:
                 from rapiddiff.models.deep_cache import DeepCache
 
                 # Each loop run makes exactly num_evaluations U-Net calls, in order.
                 unet_fn = DeepCache.of(self.unet).stepped(self._unet_fn, deep_cache, plan.num_evaluations)
+            if aoti:
+                unet_fn, decode_fn = self._aoti_parts(plan, noise_shape, context_shape, unet_fn, decode_fn)
             self._loops[key] = DenoiseLoop(
                 unet_fn,
                 plan,
@@ -408,10 +466,124 @@ class GraphDenoiser:
                 device=self.device,
                 guidance=guidance,
                 kv_fn=self._kv_fn if self.config.cross_kv_cache else None,
-                decode_fn=functools.partial(sampling.decode, self.vae),
+                decode_fn=decode_fn,
                 graph=graph,
             )
         return self._loops[key]
+
+    # ---- AOTInductor packages ---------------------------------------------------------------------
+    def _aoti_fields(
+        self, plan: LinearPlan | ClippedDDIMPlan, noise_shape: tuple, context_shape: tuple
+    ) -> dict[str, dict[str, Any]]:
+        """The shapes and switches part of each package's key (see fast_aoti.package_key)."""
+        cfg = self.config
+        attention = cfg.attention if cfg.attention != "auto" or self._auto_attention else "default"
+        t_dtype = str(plan.timesteps.dtype).removeprefix("torch.")
+        return {
+            "unet": {
+                "shapes": {
+                    "x": [context_shape[0], *noise_shape[1:]],
+                    "context": list(context_shape),
+                    "t": t_dtype,
+                },
+                "switches": {
+                    "channels_last": cfg.channels_last,
+                    "fuse_qkv": self.report.get("fuse_qkv", "off").startswith("on"),
+                    "attention": attention,
+                    "cross_kv_cache": cfg.cross_kv_cache,
+                    "fp8": self.report.get("fp8", "off").startswith("on"),
+                },
+            },
+            "decoder": {
+                "shapes": {"latents": list(noise_shape)},
+                "switches": {"channels_last": cfg.channels_last},
+            },
+        }
+
+    def _adopt_package_backends(
+        self, plan: LinearPlan | ClippedDDIMPlan, noise_shape: tuple, context_shape: tuple
+    ) -> None:
+        """With attention="auto", take the backends the U-Net package was traced with instead of
+        re-timing them (a noisy re-pick would make the package look stale)."""
+        if not self._auto_attention or self._aoti is None:
+            return
+        fields = self._aoti_fields(plan, noise_shape, context_shape)["unet"]
+        probe = fast_aoti.package_key("unet", device=self.device, dtype=self.unet.dtype, weights="", **fields)
+        try:
+            rows = fast_aoti.read_manifest(fast_aoti.package_path(self._aoti.folder, probe)).get(
+                "backends", []
+            )
+        except fast_aoti.PackageError:
+            return
+        for row in rows:
+            self._backends.setdefault((int(row[0]), int(row[1]), int(row[2])), str(row[3]))
+
+    def _aoti_parts(
+        self,
+        plan: LinearPlan | ClippedDDIMPlan,
+        noise_shape: tuple,
+        context_shape: tuple,
+        unet_fn: Any,
+        decode_fn: Any,
+    ) -> tuple[Any, Any]:
+        """The loaded (or built) packages in place of the compiled U-Net and decoder, part by part."""
+        assert self._aoti is not None
+        fields = self._aoti_fields(plan, noise_shape, context_shape)
+        dtype, device = self.unet.dtype, self.device
+        context = torch.zeros(context_shape, dtype=dtype, device=device)
+        # Example inputs made as the loop makes them (same strides: the kernels assume them).
+        kv = self._kv_fn(context) if self.config.cross_kv_cache else {}
+        unet_args = (
+            torch.zeros(fields["unet"]["shapes"]["x"], dtype=dtype, device=device),
+            plan.timesteps.to(device)[0],
+            context,
+            kv,
+        )
+        latents = torch.zeros(noise_shape, dtype=torch.float32, device=device)
+        parts = {
+            "unet": (fast_aoti.UNetCall(self.unet), unet_args),
+            "decoder": (fast_aoti.DecodeCall(self.vae), (latents,)),
+        }
+        loaded = {}
+        with self._eager_modules(), torch.no_grad():
+            for part, (module, args) in parts.items():
+                memo = part + json.dumps(fields[part], sort_keys=True)
+                if memo not in self._aoti_calls:  # once per process: a new loop of the same shape reuses it
+                    backends = [[*k, b] for k, b in sorted(self._backends.items())] if part == "unet" else []
+                    call, status, _ = self._aoti.resolve(
+                        part, module, args, fields[part], device, dtype, extra={"backends": backends}
+                    )
+                    self._set(f"aoti_{part}", status)
+                    self._aoti_calls[memo] = call
+                loaded[part] = self._aoti_calls[memo]
+        if loaded["unet"] is not None:
+            unet_call = loaded["unet"]
+
+            def unet_fn(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, kv: Any) -> torch.Tensor:
+                # t is timesteps[i], a view at an 8-byte offset: a fresh copy keeps the 16-byte
+                # alignment the compiled kernels may assume (torch.compile would guard on it).
+                return unet_call(x, t.clone(), ctx, kv if kv is not None else {})
+
+        if loaded["decoder"] is not None:
+            decode_fn = loaded["decoder"]
+        return unet_fn, decode_fn
+
+    @contextlib.contextmanager
+    def _eager_modules(self) -> Any:
+        """The U-Net and decoder without their torch.compile wrappers (torch.export traces the modules)."""
+        compiled = [
+            (m, m._compiled_call_impl) for m in self.unet.modules() if m._compiled_call_impl is not None
+        ]
+        compiled_decode = self.vae.__dict__.pop("decode", None)
+        for module, _ in compiled:
+            module._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            for module, call in compiled:
+                module._compiled_call_impl = call
+            if compiled_decode is not None:
+                self.vae.decode = compiled_decode
 
     def _maybe_save_cache(self) -> None:
         path = self.config.compile_cache
@@ -421,8 +593,10 @@ class GraphDenoiser:
             self.report["compile_cache"] = self._cache_state
 
     def clear(self) -> None:
-        """Drop the captured loops (and their memory pools)."""
+        """Drop the captured loops (and their memory pools) and the loaded packages: the next loop
+        checks its packages again (after a change to the modules, e.g. new LoRA layers)."""
         self._loops.clear()
+        self._aoti_calls.clear()
 
 
 def _make_plan(

@@ -133,6 +133,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--fast", action="store_true", help="use the accelerated inference path (rapiddiff.infer.accelerate)"
     )
     parser.add_argument(
+        "--aoti",
+        choices=["load", "build"],
+        default=None,
+        help="with --fast: AOTInductor packages beside the model instead of torch.compile (load: the ones "
+        "`rapiddiff accelerate export` built, else compile; build: export what is missing)",
+    )
+    parser.add_argument(
         "--deep-cache",
         type=int,
         metavar="N",
@@ -291,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None and png_model:
             log.warning("the model the PNG names (%s) is not here; using the default model", png_model)
         model_dir = resolve_model_dir(args.model)
+    if args.aoti and not args.fast:
+        raise ValueError("--aoti needs --fast (the packages replace the fast path's torch.compile)")
     if args.fast and importlib.util.find_spec("rapiddiff.infer.accelerate") is None:
         raise RuntimeError(
             "--fast: the accelerated path (rapiddiff.infer.accelerate) is not available in this installation"
@@ -313,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     for path, scale in loras:  # before the fast path: LoRAs merge into the weights it transforms
         pipe.load_lora(path, scale=scale)
     if args.fast:
-        pipe.enable_fast()
+        pipe.enable_fast(**({"aoti": args.aoti} if args.aoti else {}))
     if kwargs.get("upscale") is None:
         kwargs["upscale"] = pipe.upscaler is not None
     paths, images = _generate(pipe, prompts, kwargs, args, out)

@@ -1,0 +1,375 @@
+"""A new process to full speed: AOTInductor packages vs torch.compile with the compile cache (issue 16).
+
+One run, on one GPU (results under ``--out``, default $OUT):
+
+1. a model folder: random weights of ``--preset`` saved in the diffusers layout (or ``--model DIR``);
+2. ``rapiddiff accelerate export --model DIR`` in a fresh process: wall time, and each package's
+   export/compile seconds from its manifest;
+3. fresh processes (each with new, empty Inductor/Triton cache folders, as on another machine),
+   interleaved per round: ``aoti`` (``accelerate(pipe, aoti="load")``), ``compile-cold`` (the
+   shipped path with no cache: it compiles and writes the cache file, once), ``compile-cache``
+   (the shipped path loading that file, today's second process), and the same two with regional
+   compilation (``compile_regions=True``: each transformer/ResNet block compiled alone, its own
+   cache file): ``regional-cold``, ``regional-cache``. Each reports seconds after its
+   start to imports done, weights loaded, accelerated, first image and full speed (the end of the
+   second image), its it/s (median of 5 images), the fast path's report and Dynamo/Inductor
+   counters (an ``aoti`` process should compile nothing);
+4. parity: the ``aoti`` and ``regional-cache`` processes' final latents and first images against
+   ``compile-cache``'s.
+
+    python benchmarks/aoti_cold_start.py --preset sd15 --steps 50 --rounds 2 --budget-s 450 --timeout-s 300
+
+``--preset tiny --device cpu`` runs the same sequence on a CPU (a smoke test of the script, not a
+GPU figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "a red tomato on a blue table, studio light"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder; default: random weights of --preset")
+    p.add_argument("--preset", default="sd15", help="architecture for random weights: sd15, kshapes, tiny")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the warm (cache/package) processes")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["aoti", "compile", "regional"],
+        choices=["aoti", "compile", "regional"],
+        help="aoti: the packages; compile: torch.compile + cache; regional: regional compile + cache",
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start no new process after this many s")
+    p.add_argument("--timeout-s", type=float, default=420.0, help="limit for one child process")
+    p.add_argument("--out", default=os.environ.get("OUT", "aoti-cold-start-out"))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- the child: one fresh process ------------------------------------------------------------------
+def child(spec: dict[str, Any]) -> None:
+    import torch
+
+    from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
+    from rapiddiff.infer.pipeline import RapidDiffusionPipeline
+
+    imported = time.time()  # torch, diffusers, transformers, rapiddiff
+
+    device = torch.device(spec["device"])
+    dtype = getattr(torch, spec["dtype"])
+    pipe = RapidDiffusionPipeline.from_pretrained(spec["model"], device=device, dtype=dtype)
+    loaded = time.time()
+    if spec["variant"] == "aoti":
+        config = AccelerateConfig(dtype=spec["dtype"], aoti="load", aoti_dir=spec["packages"])
+    else:
+        regional = spec["variant"].startswith("regional")
+        cache = spec["cache"].replace("compile-cache", "regional-cache") if regional else spec["cache"]
+        config = AccelerateConfig(dtype=spec["dtype"], compile_cache=cache, compile_regions=regional)
+    if device.type != "cuda":
+        config.loop = "resident"
+    fast = accelerate(pipe, config)
+    accelerated = time.time()
+    kw = {
+        "num_inference_steps": spec["steps"],
+        "guidance_scale": spec["guidance"],
+        "seed": 0,
+        "output_type": "np",
+        "progress": False,
+    }
+    out = fast([PROMPT], **kw)
+    first = time.time()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fast([PROMPT], **kw)
+        times.append(time.perf_counter() - t0)
+    e2e = statistics.median(times)
+    torch.save({"latents": out.latents.cpu(), "image": torch.from_numpy(out.images[0])}, spec["result"])
+    from torch._dynamo.utils import counters
+
+    print(
+        json.dumps(
+            {
+                "imported_at": imported,
+                "loaded_at": loaded,
+                "accelerated_at": accelerated,
+                "first_image_at": first,
+                "full_speed_at": first + times[0],
+                "e2e_s": e2e,
+                "it_s": spec["steps"] / e2e,
+                "report": {k: v for k, v in fast.report.items() if k.startswith(("aoti", "compile", "loop"))},
+                "counters": {
+                    k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd", "stats")
+                },
+            },
+            default=str,
+        ),
+        flush=True,
+    )
+
+
+def run_child(args: argparse.Namespace, variant: str, model: Path, cache: Path, out: Path, n: int) -> dict:
+    fresh = Path(tempfile.mkdtemp(prefix="aoti-cold-fresh-"))
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(fresh),
+        "TRITON_CACHE_DIR": str(fresh / "triton"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    spec = {
+        "variant": variant,
+        "model": str(model),
+        "cache": str(cache),
+        "packages": str(cache.parent / "accelerated"),
+        "device": args.device,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "guidance": args.guidance,
+        "result": str(out / f"result-{variant}-{n}.pt"),
+    }
+    started = time.time()
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout_s,
+        )
+    except subprocess.TimeoutExpired as err:
+        return {
+            "variant": variant,
+            "error": f"timed out after {args.timeout_s:.0f} s",
+            "log": str(err.stderr)[-2000:],
+        }
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+    (out / f"child-{variant}-{n}.log").write_text(proc.stderr[-300_000:])
+    if proc.returncode != 0:
+        return {"variant": variant, "error": proc.stderr[-3000:]}
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in [k for k in row if k.endswith("_at")]:
+        row[key[:-3] + "_s"] = round(row.pop(key) - started, 2)
+    return {"variant": variant, **row}
+
+
+# ---- the parent ------------------------------------------------------------------------------------
+def make_model(args: argparse.Namespace, root: Path) -> tuple[Path, float]:
+    """A diffusers-layout folder of random ``--preset`` weights (same seed: same weights as `rapiddiff bench`)."""
+    import torch
+
+    from rapiddiff.infer.bench import _random_pipeline
+
+    started = time.perf_counter()
+    folder = root / f"model-{args.preset}"
+    pipe = _random_pipeline(args.preset, torch.device(args.device), getattr(torch, args.dtype), 0)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    del pipe
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return folder, time.perf_counter() - started
+
+
+def export(args: argparse.Namespace, model: Path, packages: Path, out: Path) -> dict[str, Any]:
+    fresh = Path(tempfile.mkdtemp(prefix="aoti-cold-export-"))
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(fresh),
+        "TRITON_CACHE_DIR": str(fresh / "triton"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    cmd = [sys.executable, "-m", "rapiddiff", "accelerate", "export", "--model", str(model)]
+    cmd += ["--batch", "1", "--guidance", str(args.guidance), "--device", args.device]
+    cmd += ["--switches", f"dtype={args.dtype}", "--dir", str(packages)]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as err:
+        return {"error": f"timed out after {args.timeout_s:.0f} s", "log": str(err.stderr)[-2000:]}
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+    wall = time.perf_counter() - started
+    (out / "export.log").write_text(proc.stderr[-300_000:])
+    result: dict[str, Any] = {"command": " ".join(cmd[1:]), "wall_s": round(wall, 2), "rc": proc.returncode}
+    if proc.returncode != 0:
+        result["error"] = proc.stderr[-3000:]
+        return result
+    result["report"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for manifest in sorted(packages.glob("*.json")):
+        data = json.loads(manifest.read_text())
+        result[manifest.stem] = {k: data[k] for k in ("export_s", "compile_s", "size")}
+    return result
+
+
+def parity(out: Path, a: str, b: str) -> dict[str, float]:
+    import torch
+
+    ra, rb = torch.load(out / a), torch.load(out / b)
+    la, lb = ra["latents"].float(), rb["latents"].float()
+    mse = float(((ra["image"].double() - rb["image"].double()) ** 2).mean())
+    return {
+        "latent_rel_err": float((la - lb).norm() / lb.norm().clamp_min(1e-12)),
+        "psnr_db": math.inf if mse == 0 else 10 * math.log10(1 / mse),
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['meta']['device']}, torch {result['meta']['torch']}, {result['meta']['date']}; "
+        f"{result['meta']['model']}, {result['meta']['steps']} steps, guidance {result['meta']['guidance']}, batch 1",
+        "",
+    ]
+    exp = result.get("export", {})
+    if exp:
+        lines.append(
+            f"export: {exp.get('error', '')[-300:] or str(exp.get('wall_s')) + ' s wall'}"
+            + "".join(
+                f"; {k}: export {v['export_s']} s + compile {v['compile_s']} s, {v['size'] / 2**20:.1f} MiB"
+                for k, v in exp.items()
+                if isinstance(v, dict) and "compile_s" in v
+            )
+        )
+    lines += [
+        "",
+        "| process | imports (s) | weights loaded (s) | accelerated (s) | first image (s) | full speed (s) | it/s | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["processes"]:
+        if "error" in row:
+            lines.append(f"| {row['variant']} | failed: {row['error'][-200:]!r} | | | | | | |")
+            continue
+        notes = "; ".join(
+            f"{k}: {v}" for k, v in row["report"].items() if k.startswith(("aoti_", "compile_cache"))
+        )
+        lines.append(
+            f"| {row['variant']} | {row['imported_s']:.1f} | {row['loaded_s']:.1f} | {row['accelerated_s']:.1f} | "
+            f"{row['first_image_s']:.1f} | {row['full_speed_s']:.1f} | {row['it_s']:.1f} | {notes[:300]} |"
+        )
+    for variant, med in result.get("medians", {}).items():
+        lines.append(f"\nmedian {variant}: full speed {med['full_speed_s']:.1f} s, {med['it_s']:.1f} it/s")
+    for variant, p in result.get("parity", {}).items():
+        lines.append(
+            f"\n{variant} vs compile-cache: latent rel. err {p['latent_rel_err']:.1e}, "
+            f"image PSNR {p['psnr_db']:.1f} dB"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plan_processes(variants: list[str], rounds: int) -> list[tuple[str, int]]:
+    """Most important first, so a time budget cuts the least: packages vs today's compile cache
+    (with the cache's cold first process), their further rounds in rotated order, then regional."""
+    plan = [("aoti", 0)] if "aoti" in variants else []
+    if "compile" in variants:
+        plan += [("compile-cold", 0), ("compile-cache", 0)]
+    pair = [v for v, name in (("aoti", "aoti"), ("compile-cache", "compile")) if name in variants]
+    for n in range(1, rounds):
+        plan += [(v, n) for v in (pair[::-1] if n % 2 else pair)]
+    if "regional" in variants:
+        plan += [("regional-cold", 0), ("regional-cache", 0)]
+        plan += [("regional-cache", n) for n in range(1, rounds)]
+    return plan
+
+
+def tally(result: dict[str, Any], out: Path) -> None:
+    """Medians of the warm processes and parity against compile-cache (from what has run so far)."""
+    for variant in ("aoti", "compile-cache", "regional-cache"):
+        rows = [r for r in result["processes"] if r["variant"] == variant and "error" not in r]
+        if rows:
+            result.setdefault("medians", {})[variant] = {
+                k: statistics.median(r[k] for r in rows) for k in ("first_image_s", "full_speed_s", "it_s")
+            }
+    for variant in ("aoti", "regional-cache"):
+        if (out / f"result-{variant}-0.pt").exists() and (out / "result-compile-cache-0.pt").exists():
+            result.setdefault("parity", {})[variant] = parity(
+                out, f"result-{variant}-0.pt", "result-compile-cache-0.pt"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="aoti-cold-start-"))
+    device_name = (
+        torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
+    )
+    result: dict[str, Any] = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": device_name,
+            "torch": torch.__version__,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "model": args.model or f"random {args.preset} weights",
+            "steps": args.steps,
+            "guidance": args.guidance,
+        },
+        "processes": [],
+    }
+
+    def save() -> None:
+        (out / "aoti_cold_start.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "aoti_cold_start.md").write_text(summary(result))
+
+    try:
+        if args.model:
+            model = Path(args.model)
+        else:
+            model, took = make_model(args, scratch)
+            result["meta"]["model_build_s"] = round(took, 1)
+        # Packages into this run's scratch folder (never over a --model folder's own): it measures the export.
+        packages = scratch / "accelerated"
+        cache = scratch / "compile-cache.bin"
+        result["export"] = export(args, model, packages, out) if "aoti" in args.variants else {}
+        save()
+        print("export:", json.dumps(result["export"], default=str)[:600], flush=True)
+        # Most important first, so a budget cut loses the least: aoti, the cache's first (cold)
+        # process, today's second process; then further rounds alternating which goes first.
+        plan = plan_processes(args.variants, args.rounds)
+        if "error" in result["export"]:
+            plan = [p for p in plan if p[0] != "aoti"]
+        for variant, n in plan:
+            if time.perf_counter() - began > args.budget_s:
+                result.setdefault("skipped", []).append(f"{variant} {n}")
+                continue
+            row = run_child(args, variant, model, cache, out, n)
+            row["round"] = n
+            result["processes"].append(row)
+            print(variant, n, json.dumps(row, default=str)[:600], flush=True)
+            tally(result, out)  # after every process: a run cut short keeps its medians and parity
+            save()
+        save()
+        print(summary(result), flush=True)
+    finally:
+        for stale in out.glob("result-*.pt"):
+            stale.unlink()
+        shutil.rmtree(scratch, ignore_errors=True)  # the random model, the packages, the cache file
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""AOTInductor packages of the fast path's U-Net and VAE decoder: compiled once, loaded in a new process.
+
+``torch.compile`` with the compile cache still re-traces the model with Dynamo in every new process
+(tens of seconds for SD 1.5). A package made with ``torch.export`` + ``aoti_compile_and_package``
+holds the compiled kernels and the C++ wrapper; loading it is ``dlopen`` plus reading the kernels.
+
+One package per part ("unet", "decoder"), shape and device, in ``<model folder>/accelerated/``::
+
+    unet-x2x4x64x64-c2x77x768-nvidia-h100-80gb-hbm3.pt2    the AOTInductor package (no weights)
+    unet-x2x4x64x64-c2x77x768-nvidia-h100-80gb-hbm3.json   its manifest: the key it was built for
+
+**No weights in the package.** It is built with ``package_constants_in_so=False`` and, on load, pointed at
+the live module's own parameters (``load_constants(..., user_managed=True)``): a merged LoRA or any
+other in-memory weight change runs as it is, and the package costs no second copy of the weights.
+What the compiled code *does* depend on is checked before every load, field by field against the
+manifest (:func:`check_package`): format, part, torch and CUDA versions, device name and capability
+(CPU: its ISA level), dtype, input shapes, the fast path's switches (channels_last, fused QKV,
+attention backend, cross-attention K/V, fp8), the Inductor options, a hash of the weights files
+(policy: a new model is a new build), and the name, shape, stride and dtype of every constant the
+package reads (the layout its kernels were generated for). Then the file's size and SHA-256 against
+the manifest (a truncated or corrupt file). Any difference → the reason, logged; the caller rebuilds
+(``aoti="build"``) or falls back to ``torch.compile`` (``aoti="load"``). A package is never loaded
+against a key it was not built for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+FORMAT = 1
+PACKAGE_DIR = "accelerated"
+MODES = ("off", "load", "build")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+# Where each part's weights live in a diffusers-layout model folder.
+PART_FOLDERS = {"unet": "unet", "decoder": "vae"}
+# The Inductor options every package is built with (part of the key: other options, other code).
+INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+
+
+class PackageError(RuntimeError):
+    """A package that cannot be used here; the message says why and what to do."""
+
+
+# ---- the key ----------------------------------------------------------------------------------------
+def device_fields(device: torch.device) -> dict[str, str | None]:
+    """What the compiled code is specific to about this machine: GPU name and capability, or CPU ISA."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {
+            "device": torch.cuda.get_device_name(device),
+            "capability": f"sm_{major}{minor}",
+            "cuda": torch.version.cuda,
+        }
+    return {
+        "device": f"cpu {platform.machine()}",
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": None,
+    }
+
+
+def package_key(
+    part: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    shapes: dict[str, Any],
+    switches: dict[str, Any],
+    weights: str,
+) -> dict[str, Any]:
+    """Everything a package is valid for (compared field by field by :func:`check_package`)."""
+    return {
+        "format": FORMAT,
+        "part": part,
+        "torch": torch.__version__,
+        **device_fields(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shapes": shapes,
+        "switches": switches,
+        "inductor": INDUCTOR_CONFIGS,
+        "weights": weights,
+    }
+
+
+def package_path(folder: Path, key: dict[str, Any]) -> Path:
+    """The file a key's package lives in: part, shapes and device in the name (they may co-exist)."""
+    shapes = "-".join(
+        _slug(name[0] + "x".join(str(d) for d in shape))
+        for name, shape in sorted(key["shapes"].items())
+        if isinstance(shape, list)
+    )
+    return folder / f"{key['part']}-{shapes}-{_slug(str(key['device']))}.pt2"
+
+
+def manifest_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# ---- weights fingerprint ----------------------------------------------------------------------------
+def weights_fingerprint(
+    root: Path, subfolder: str | None = None, known: dict[str, dict[str, Any]] | None = None
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """SHA-256 over the weights files of ``root/subfolder`` (or all of ``root`` but ``accelerated/``).
+
+    Returns (digest, per-file records). A file whose size and mtime match its record in ``known``
+    (the manifest's) keeps its recorded hash, so a new process does not re-read gigabytes to check
+    a package; any other file is hashed again.
+    """
+    base = root / subfolder if subfolder and (root / subfolder).is_dir() else root
+    files = sorted(
+        p
+        for p in base.rglob("*")
+        if p.is_file() and p.suffix in WEIGHT_SUFFIXES and PACKAGE_DIR not in p.relative_to(root).parts
+    )
+    if not files:
+        raise PackageError(f"{base}: no weights files ({', '.join(WEIGHT_SUFFIXES)}) to fingerprint")
+    known = known or {}
+    records: dict[str, dict[str, Any]] = {}
+    total = hashlib.sha256()
+    for file in files:
+        rel = file.relative_to(root).as_posix()
+        stat = file.stat()
+        old = known.get(rel)
+        if old and old.get("size") == stat.st_size and old.get("mtime_ns") == stat.st_mtime_ns:
+            digest = str(old["sha256"])
+        else:
+            digest = _sha256(file)
+        records[rel] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        total.update(f"{rel}\0{digest}\n".encode())
+    return total.hexdigest()[:32], records
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- constants (the live weights the package reads) -------------------------------------------------
+def live_constants(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by its fully qualified name (aliases included)."""
+    found = dict(module.named_parameters(remove_duplicate=False))
+    found.update(module.named_buffers(remove_duplicate=False))
+    return found
+
+
+def constants_layout(module: torch.nn.Module, names: Sequence[str]) -> dict[str, str]:
+    """name → "shape/stride/dtype" for the constants a package reads (what its kernels assume)."""
+    live = live_constants(module)
+    layout = {}
+    for name in names:
+        t = live.get(name)
+        layout[name] = (
+            "absent"
+            if t is None
+            else f"{list(t.shape)}/{list(t.stride())}/{str(t.dtype).removeprefix('torch.')}/{t.device.type}"
+        )
+    return layout
+
+
+# ---- the decision -----------------------------------------------------------------------------------
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest beside package ``path``; :class:`PackageError` naming the file if it is unusable."""
+    file = manifest_path(path)
+    if not file.is_file():
+        raise PackageError(f"{file} is missing (a package without its manifest cannot be checked)")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise PackageError(f"{file}: unreadable manifest ({err})") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("key"), dict):
+        raise PackageError(f"{file}: not a package manifest (no 'key' object)")
+    return manifest
+
+
+def key_differences(built: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Fields where the package's key differs from the wanted one, as "field: built → wanted"."""
+    diffs = []
+    for field in sorted(set(built) | set(wanted)):
+        old, new = built.get(field), wanted.get(field)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            diffs += [f"{field}.{d}" for d in key_differences(old, new)]
+        else:
+            diffs.append(f"{field}: {_short(old)} → {_short(new)}")
+    return diffs
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_package(path: Path, wanted: dict[str, Any], module: torch.nn.Module | None = None) -> str | None:
+    """None when the package at ``path`` was built for ``wanted`` (and ``module``'s constant layout)
+    and its file is intact; otherwise the reason it must not be loaded, for the log and the report."""
+    if not path.is_file():
+        return f"no package {path.name}"
+    try:
+        manifest = read_manifest(path)
+    except PackageError as err:
+        return str(err)
+    diffs = key_differences(manifest["key"], wanted)
+    if diffs:
+        return "stale (" + "; ".join(diffs) + ")"
+    if module is not None:
+        names = manifest.get("constants", [])
+        layout = constants_layout(module, names)
+        built = manifest.get("constants_layout", {})
+        changed = [n for n in names if built.get(n) != layout[n]]
+        if changed or not names:
+            first = changed[0] if changed else "(none recorded)"
+            return (
+                f"stale (module layout: {len(changed)} of {len(names)} constants differ, "
+                f"first {first}: {built.get(first)} → {layout.get(first)})"
+            )
+    size = path.stat().st_size
+    if size != manifest.get("size"):
+        return f"corrupt: {path.name} has {size} bytes, its manifest says {manifest.get('size')}"
+    if _sha256(path) != manifest.get("sha256"):
+        return f"corrupt: {path.name}'s SHA-256 differs from its manifest's"
+    return None
+
+
+# ---- build and load ---------------------------------------------------------------------------------
+def build_package(
+    path: Path,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    key: dict[str, Any],
+    weights_files: dict[str, dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``torch.export`` ``module`` on ``args``, compile it with AOTInductor into ``path`` (no weights
+    inside) and write the manifest (with ``extra`` fields); returns the manifest. The package
+    appears only when complete."""
+    started = time.perf_counter()
+    with torch.no_grad():
+        program = torch.export.export(module, args, strict=False)
+    exported = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.pt2", dir=path.parent)
+    os.close(fd)
+    os.chmod(tmp_name, 0o644)  # mkstemp makes it private; a package is as readable as the model
+    tmp = Path(tmp_name)
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(tmp), inductor_configs=dict(INDUCTOR_CONFIGS)
+        )
+        names = sorted(open_package(tmp).get_constant_fqns())
+        live = live_constants(module)
+        foreign = [n for n in names if n not in live]
+        if foreign:  # a constant export made up (not a parameter/buffer): we could not supply it on load
+            raise PackageError(
+                f"{path.name}: the exported program reads constants the module does not hold: {foreign[:5]}"
+            )
+        manifest = {
+            "key": key,
+            "size": tmp.stat().st_size,
+            "sha256": _sha256(tmp),
+            "constants": names,
+            "constants_layout": constants_layout(module, names),
+            "weights_files": weights_files or {},
+            "export_s": round(exported - started, 2),
+            "compile_s": round(time.perf_counter() - exported, 2),
+            "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            **(extra or {}),
+        }
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1, sort_keys=True))
+    log.info(
+        "aoti: built %s (export %.1f s, compile %.1f s, %.1f MiB)",
+        path,
+        manifest["export_s"],
+        manifest["compile_s"],
+        manifest["size"] / 2**20,
+    )
+    return manifest
+
+
+def open_package(path: Path) -> Any:
+    """``torch._inductor.aoti_load_package`` without its device-information probe.
+
+    That probe (``pick_vec_isa``) compiles small C++ programs to find the CPU's vector ISA on every
+    load in a process whose Inductor cache is empty — even for a CUDA package — and only logs a
+    mismatch (measured: 23 s of a 25 s load on the 2-core box). The key check has already compared
+    the device fields, so the package is opened with the same loader torch's function constructs.
+    """
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (ImportError, AttributeError, TypeError):  # another torch version: its own loader
+        return torch._inductor.aoti_load_package(str(path))
+    return AOTICompiledModel(loader)
+
+
+def load_package(path: Path, module: torch.nn.Module, manifest: dict[str, Any]) -> Callable[..., Any]:
+    """Load a checked package and point it at ``module``'s live parameters; returns the callable."""
+    try:
+        compiled = open_package(path)
+    except Exception as err:  # the loader raises RuntimeError or worse on a bad archive
+        raise PackageError(
+            f"{path}: not a loadable AOTInductor package ({type(err).__name__}: {str(err)[:200]}); "
+            "delete it, or rebuild with `rapiddiff accelerate export`"
+        ) from err
+    names = compiled.get_constant_fqns()
+    if sorted(names) != manifest.get("constants"):
+        raise PackageError(f"{path}: its constants differ from its manifest's; rebuild it")
+    live = live_constants(module)
+    # user_managed: the package reads the module's own tensors (no copy); the module keeps them alive.
+    compiled.load_constants({n: live[n] for n in names}, check_full_update=True, user_managed=True)
+    return compiled
+
+
+# ---- what the fast path calls ---------------------------------------------------------------------------
+class UNetCall(torch.nn.Module):
+    """The U-Net as the loop calls it: (x, t, context, cross K/V or {}) → noise prediction."""
+
+    def __init__(self, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, kv: dict) -> torch.Tensor:
+        kwargs = {"cross_attention_kwargs": {"cross_kv": kv}} if kv else {}
+        return self.unet(x, t, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
+
+
+class DecodeCall(torch.nn.Module):
+    """``rapiddiff.models.sampling.decode`` as a module: latents → images in [0, 1], float32."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        from rapiddiff.models import sampling
+
+        return sampling.decode(self.vae, latents)
+
+
+class PackageStore:
+    """The packages of one model folder: resolve a part for a key → loaded callable, or why not."""
+
+    def __init__(self, folder: Path, weights_root: Path | None, mode: str) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"aoti mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.folder, self.weights_root, self.mode = Path(folder), weights_root, mode
+
+    def weights(self, part: str, path: Path) -> tuple[str, dict[str, dict[str, Any]]]:
+        """The weights field of the key (reusing the manifest's per-file hashes when unchanged)."""
+        if self.weights_root is None:
+            # No folder: the package reads whatever weights the module holds, so the key cannot
+            # name a file; it still pins the module's constant layout.
+            return "in-memory (no model folder)", {}
+        known: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(PackageError):  # no or bad manifest: hash every file
+            known = read_manifest(path).get("weights_files", {})
+        return weights_fingerprint(self.weights_root, PART_FOLDERS.get(part), known)
+
+    def resolve(
+        self,
+        part: str,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        fields: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[Callable[..., Any] | None, str, dict[str, Any] | None]:
+        """(callable or None, report status, manifest or None) for ``part`` on example ``args``.
+
+        ``fields``: {"shapes": ..., "switches": ...}; ``extra``: more manifest fields for a build. A matching, intact package is loaded; else
+        ``mode == "build"`` rebuilds it (the reason logged), and ``mode == "load"`` returns None
+        with the reason (the caller keeps torch.compile).
+        """
+        probe = package_key(part, device=device, dtype=dtype, weights="", **fields)
+        path = package_path(self.folder, probe)
+        weights, files = self.weights(part, path)
+        key = {**probe, "weights": weights}
+        reason = check_package(path, key, module)
+        if reason is None:
+            manifest = read_manifest(path)
+            started = time.perf_counter()
+            try:
+                compiled = load_package(path, module, manifest)
+            except PackageError as err:
+                reason = str(err)
+            else:
+                return compiled, f"loaded {path.name} ({time.perf_counter() - started:.2f} s)", manifest
+        if self.mode == "load":
+            return (
+                None,
+                f"fallback: torch.compile ({reason}; build it with `rapiddiff accelerate export`)",
+                None,
+            )
+        log.warning("aoti: building %s: %s", path.name, reason)
+        started = time.perf_counter()
+        manifest = build_package(path, module, args, key, files, extra)
+        compiled = load_package(path, module, manifest)
+        took = time.perf_counter() - started
+        return compiled, f"built {path.name} in {took:.0f} s ({reason})", manifest
+
+
+__all__ = [
+    "FORMAT",
+    "MODES",
+    "PACKAGE_DIR",
+    "DecodeCall",
+    "PackageError",
+    "PackageStore",
+    "UNetCall",
+    "build_package",
+    "check_package",
+    "constants_layout",
+    "key_differences",
+    "load_package",
+    "package_key",
+    "package_path",
+    "read_manifest",
+    "weights_fingerprint",
+]
