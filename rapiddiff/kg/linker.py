@@ -293,6 +293,150 @@ def _surface_index(
 
 
 @dataclass(frozen=True)
+class _LinkerIndex:
+    """What :class:`EntityLinker` builds from its lexicon and jieba's dictionary (the costly part of
+    making one: a trie of jieba's 350 k words plus the forms, and a weight for each key)."""
+
+    trie: Any
+    entity_ids: np.ndarray
+    """int32 entity id per trie key; -1 for jieba's words that are not forms."""
+    weights: np.ndarray
+    """float64 segmentation weight per trie key, 8 bytes a key (131 MB at 16 M forms): jieba's
+    log(freq) - log(total) for its words; NaN for a form, whose add_word weight (which replaces
+    jieba's, as add_word does) the linker computes the first time the form is in a segmented
+    block. A fixed array, so that memo is bounded by the lexicon, not the text."""
+    heads: set[str]
+    longest: int
+    clashes: int
+
+
+# Bump when what _build_index computes changes. The cache key also carries a digest of this file's
+# and normalize.py's source, so an edited linker never reads an index an older one wrote.
+_INDEX_VERSION = 1
+# Cached indexes kept (the most recently used): each is ~6 MB for a small lexicon (jieba's words
+# dominate), ~12 bytes a form more for a large one.
+_KEEP_INDEXES = 8
+
+
+@functools.cache
+def _code_digest() -> str:
+    import hashlib
+
+    from rapiddiff.kg import normalize as normalize_module
+
+    digest = hashlib.sha256()
+    for module_file in (__file__, normalize_module.__file__):
+        try:
+            digest.update(Path(module_file).read_bytes())
+        except (OSError, TypeError):  # no source file (a frozen install): the package version decides
+            from rapiddiff import __version__
+
+            digest.update(__version__.encode())
+    return digest.hexdigest()
+
+
+def _lexicon_digest(surfaces: list[str], ids: np.ndarray) -> str:
+    """sha256 of the (form, entity id) pairs, in order (the order decides clashes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    digest.update(np.fromiter(map(len, surfaces), np.int64, len(surfaces)).tobytes())
+    digest.update(ids.astype(np.int64).tobytes())
+    digest.update("".join(surfaces).encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def _linker_index(pairs: Iterable[tuple[str, int]]) -> _LinkerIndex:
+    """The linker's index of ``pairs``, from the on-disk cache (:mod:`rapiddiff.kg.cache`) when it
+    holds one built from the same pairs, jieba dictionary, normalisation table and code; else built
+    and written there. Building it costs ~0.6 s for any lexicon (jieba's words), minutes for OpenKG's
+    16 M forms; reading it back, milliseconds (the trie is memory-mapped, like jieba's)."""
+    import zipfile
+    from importlib.metadata import version
+
+    import marisa_trie
+
+    from rapiddiff.kg.cache import cache_file
+    from rapiddiff.kg.normalize import table_key
+
+    surfaces: list[str] = []
+    id_list: list[int] = []
+    for surface, entity_id in pairs:
+        surfaces.append(surface)
+        id_list.append(int(entity_id))
+    ids = np.asarray(id_list, dtype=np.int64)
+    del id_list
+    key = (
+        "linker-index", _INDEX_VERSION, _code_digest(), version("marisa-trie"), *_jieba_source(),
+        table_key(), _lexicon_digest(surfaces, ids),
+    )  # fmt: skip
+    trie_file, arrays_file = cache_file("linker", key, ".marisa"), cache_file("linker", key, ".npz")
+    try:
+        with np.load(arrays_file) as arrays:  # no pickle: plain arrays only
+            entity_ids, weights = arrays["entity_ids"], arrays["weights"]
+            heads = set(arrays["heads"].tolist())
+            longest, clashes = int(arrays["longest"]), int(arrays["clashes"])
+        trie = marisa_trie.Trie()
+        trie.mmap(str(trie_file))
+        if len(trie) == len(entity_ids) == len(weights):
+            _touch(arrays_file)
+            return _LinkerIndex(trie, entity_ids, weights, heads, longest, clashes)
+    except (OSError, KeyError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
+        pass  # absent or damaged: build it again
+    index = _build_index(surfaces, ids)
+    try:
+        trie_file.parent.mkdir(parents=True, exist_ok=True)
+        _write_index(index, trie_file, arrays_file)
+        _evict_indexes(trie_file.parent)
+    except OSError as err:  # a read-only home: correct, only slower
+        log.debug("cannot cache the linker's index in %s (%s)", trie_file.parent, err)
+    return index
+
+
+def _build_index(surfaces: list[str], ids: np.ndarray) -> _LinkerIndex:
+    jieba_words = _jieba()
+    pairs = zip(surfaces, ids.tolist(), strict=True)
+    trie, entity_ids, heads, longest, clashes = _surface_index(pairs, jieba_words.trie.keys())
+    weights = np.full(len(trie), np.nan)
+    key_id = trie.key_id
+    for word, i in jieba_words.trie.iteritems():
+        weights[key_id(word)] = jieba_words.weights[i]
+    weights[entity_ids >= 0] = np.nan
+    return _LinkerIndex(trie, entity_ids, weights, heads, longest, clashes)
+
+
+def _write_index(index: _LinkerIndex, trie_file: Path, arrays_file: Path) -> None:
+    from rapiddiff.utils.io import atomic_open, atomic_write_bytes
+
+    atomic_write_bytes(trie_file, index.trie.tobytes())
+    with atomic_open(arrays_file, "wb") as f:  # written last: a complete .npz means a complete pair
+        np.savez(
+            f,
+            entity_ids=index.entity_ids,
+            weights=index.weights,
+            heads=np.asarray(sorted(index.heads), dtype="<U2"),
+            longest=np.int64(index.longest),
+            clashes=np.int64(index.clashes),
+        )
+
+
+def _touch(file: Path) -> None:
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError):
+        os.utime(file)  # most recently used: the last one _evict_indexes removes
+
+
+def _evict_indexes(folder: Path) -> None:
+    """Keep the :data:`_KEEP_INDEXES` most recently used linker indexes in the cache folder."""
+    files = sorted(folder.glob("linker-*.npz"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+    for old in files[_KEEP_INDEXES:]:
+        for file in (old, old.with_suffix(".marisa")):
+            file.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
 class EntitySpan:
     """A linked mention: ``text[start:end] == surface`` in the ORIGINAL text."""
 
@@ -314,23 +458,15 @@ class EntityLinker:
         ``word_check=False`` skips the jieba check (pure longest match), for ablations.
         """
         pairs = lexicon.items() if isinstance(lexicon, Mapping) else lexicon
-        jieba_words = _jieba()
-        self.trie, self.entity_ids, self._heads, self.longest, clashes = _surface_index(
-            pairs, jieba_words.trie.keys()
-        )
+        index = _linker_index(pairs)
+        self.trie, self.entity_ids, self._heads = index.trie, index.entity_ids, index.heads
+        self.longest, clashes = index.longest, index.clashes
         self._forms = int((self.entity_ids >= 0).sum())
         self._ids = memoryview(self.entity_ids)  # indexing gives a Python int: 3x a numpy scalar
-        # The segmentation weight of each trie key, 8 bytes a key (131 MB at 16 M forms): jieba's
-        # log(freq) - log(total) for its words; for a form, its add_word weight, which replaces
-        # jieba's as add_word does, computed the first time the form is in a segmented block
-        # (NaN until then). A fixed array, so the memo is bounded by the lexicon, not the text.
-        weights = np.full(len(self.trie), np.nan)
-        key_id = self.trie.key_id
-        for word, i in jieba_words.trie.iteritems():
-            weights[key_id(word)] = jieba_words.weights[i]
-        weights[self.entity_ids >= 0] = np.nan
-        self._weights = weights
-        self._scan_longest = max(self.longest, jieba_words.longest)
+        # The segmentation weight of each trie key (see _LinkerIndex.weights); this linker fills
+        # in its forms' add_word weights as it meets them, so it keeps its own copy.
+        self._weights = index.weights
+        self._scan_longest = max(self.longest, _jieba().longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
         self._head_set = _head_set(self._heads)
         if clashes:

@@ -344,3 +344,104 @@ def test_word_check_without_numba_keeps_the_same_spans(
         monkeypatch.undo()
         importlib.reload(linker_dp)
     assert hasattr(linker_dp.check, "py_func")
+
+
+def _index_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("linker-*"))
+
+
+def test_cached_index_is_the_built_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A linker read from the on-disk cache is the one a build makes: the same trie keys and ids,
+    entity ids, weights, heads and lengths, and the same spans; nothing is built the second time."""
+    import numpy as np
+
+    from rapiddiff.kg import linker as linker_module
+
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0, "大熊猫": 8, "蕃茄": 0}
+    built = EntityLinker(lexicon)
+    assert len(_index_files(tmp_path)) == 2  # the trie and the arrays
+    builds = []
+    monkeypatch.setattr(linker_module, "_build_index", lambda *a: builds.append(a) or pytest.fail("rebuilt"))
+    cached = EntityLinker(lexicon)
+    assert not builds
+    assert list(cached.trie.iteritems()) == list(built.trie.iteritems())
+    assert np.array_equal(cached.entity_ids, built.entity_ids) and cached.entity_ids.dtype == np.int32
+    assert np.array_equal(cached._weights, built._weights, equal_nan=True)
+    assert (cached._heads, cached.longest, cached._scan_longest, len(cached)) == (
+        built._heads, built.longest, built._scan_longest, len(built),
+    )  # fmt: skip
+    texts = ["一个西紅柿和北京大学的大熊猫", "番茄酱不是番茄", "ＡＢＣ公司的茄子", "番茄汁"]
+    assert [cached.link(t) for t in texts] == [built.link(t) for t in texts]
+    # The linker fills in its forms' weights as it meets them: the cache keeps the unfilled ones.
+    assert np.isnan(EntityLinker(lexicon)._weights[cached.entity_ids >= 0]).all()
+
+
+def test_changed_lexicon_never_reuses_an_old_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A changed store (a form added, an id changed, the same forms in another order — which decides
+    clashes) gets its own index; the old one is never read for it."""
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    names = ["番茄", "红色", "熊猫"]
+    store = KnowledgeStore.from_arrays(names, ["r"], torch.zeros(3, 2), torch.zeros(1, 2))
+    assert [s.entity_id for s in EntityLinker.from_store(store).link("红色的番茄")] == [1, 0]
+    renamed = KnowledgeStore.from_arrays(
+        ["熊猫", "红色", "番茄"], ["r"], torch.zeros(3, 2), torch.zeros(1, 2)
+    )
+    assert [s.entity_id for s in EntityLinker.from_store(renamed).link("红色的番茄")] == [1, 2]
+    aliased = KnowledgeStore.from_arrays(
+        names, ["r"], torch.zeros(3, 2), torch.zeros(1, 2), aliases={"番茄": ["西红柿"]}
+    )
+    assert [s.surface for s in EntityLinker.from_store(aliased).link("红色的西红柿")] == ["红色", "西红柿"]
+    assert EntityLinker.from_store(store).link("红色的西红柿") == [EntitySpan(0, 2, 1, "红色")]
+    # Order decides a clash (two forms that normalise alike): first pair wins, cache or not.
+    assert EntityLinker([("番茄", 0), ("番茄", 5)]).link("番茄")[0].entity_id == 0
+    assert EntityLinker([("番茄", 5), ("番茄", 0)]).link("番茄")[0].entity_id == 5
+    assert len(_index_files(tmp_path)) == 2 * 5
+
+
+def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another linker version (or jieba dictionary) does not read this one's index."""
+    from rapiddiff.kg import linker as linker_module
+
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    EntityLinker({"番茄": 0})
+    monkeypatch.setattr(linker_module, "_INDEX_VERSION", linker_module._INDEX_VERSION + 1)
+    EntityLinker({"番茄": 0})
+    assert len(_index_files(tmp_path)) == 4
+    source = linker_module._jieba_source()
+    monkeypatch.setattr(linker_module, "_jieba_source", lambda: (*source[:3], source[3] + 1))
+    EntityLinker({"番茄": 0})
+    assert len(_index_files(tmp_path)) == 6
+
+
+def test_damaged_or_unwritable_index_cache_builds_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A truncated or emptied cache file is built again (and rewritten); a cache folder that cannot
+    be written only costs the build."""
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    expected = EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄")
+    for damaged in _index_files(tmp_path / "cache"):
+        good = damaged.read_bytes()
+        for bad in (good[: len(good) // 2], b""):
+            damaged.write_bytes(bad)
+            assert EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄") == expected
+            assert damaged.read_bytes() == good  # rewritten
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(blocker / "cache"))
+    assert EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄") == expected
+
+
+def test_index_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rapiddiff.kg import linker as linker_module
+
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linker_module, "_KEEP_INDEXES", 2)
+    EntityLinker({"番茄": 0})
+    first = _index_files(tmp_path)
+    EntityLinker({"红色": 0})
+    EntityLinker({"番茄": 0})  # read: now the most recently used
+    EntityLinker({"熊猫": 0})
+    files = _index_files(tmp_path)
+    assert len(files) == 4 and set(first) <= set(files)
