@@ -16,7 +16,8 @@
    falls strictly inside the block. jieba's words live in the same trie as the forms, so where a
    form may start one query finds both; elsewhere, and for the blocks, the DP and the filter, a
    compiled pass (:mod:`rapiddiff.kg.linker_dp`, numba) does what jieba's get_DAG + calc would,
-   with the same float operations.
+   with the same float operations (the same loops as plain Python for a process's first few
+   thousand characters, where starting numba would cost more: :func:`word_check_module`).
 4. Keep the longest, then leftmost, of overlapping candidates.
 """
 
@@ -29,6 +30,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,7 +134,8 @@ def _jieba() -> _JiebaDictionary:
 def _jieba_table() -> tuple[np.ndarray, ...]:
     """jieba's dictionary as :func:`linker_dp.build_words`'s hash table over code points, plus the
     code point pool it points into (what :func:`linker_dp.check` walks where no form starts)."""
-    from rapiddiff.kg import linker_dp
+    import zipfile
+
     from rapiddiff.kg.cache import cache_file
     from rapiddiff.utils.io import atomic_open
 
@@ -143,8 +146,10 @@ def _jieba_table() -> tuple[np.ndarray, ...]:
     try:
         with np.load(cached) as arrays:
             return arrays["table"], arrays["slot_weight"], arrays["pool"]
-    except (OSError, KeyError, ValueError, EOFError):
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         pass  # absent or damaged: build it again
+    from rapiddiff.kg import linker_dp  # 350 k words: compiled (numba) whatever the budget
+
     items = list(d.trie.iteritems())
     words = [w for w, _ in items]
     pool = np.frombuffer("".join(words).encode("utf-32-le"), dtype=np.uint32)
@@ -165,10 +170,44 @@ def _head_set(heads: set[str]) -> tuple[np.ndarray, bool]:
     """The forms' first two characters as :func:`linker_dp.form_starts` reads them: a hash set of
     ``c0 << 21 | c1`` (and ``c << 21 | SINGLE`` for a one-character form); whether any form has
     one character."""
+    dp = word_check_module(len(heads))
+    codes = [(ord(h[0]) << 21) | (ord(h[1]) if len(h) == 2 else dp.SINGLE) for h in heads]
+    return dp.build_set(np.asarray(codes, np.int64)), any(len(h) == 1 for h in heads)
+
+
+# The word check's loops run as linker_dp's plain-Python twin (the same code, not compiled) until
+# the process has given them this many characters, then compiled. numba's start in a process
+# (its import, then loading the cached machine code) costs ~0.5 s on an idle 2-core machine; the
+# twin checks ~15 k characters a second, so it stops at about half that cost. A cold `rapiddiff
+# generate` links one prompt (tens of characters) and never starts numba; a training or evaluation
+# run pays at most this much extra before it switches. The results are the same either way.
+_PLAIN_CHARS = 4_000
+_plain_chars_used = 0
+
+
+@functools.cache
+def plain_dp() -> ModuleType:
+    """:mod:`rapiddiff.kg.linker_dp` loaded as plain Python (:data:`linker_dp.PLAIN_TWIN`)."""
+    import importlib.util
+
+    origin = importlib.util.find_spec("rapiddiff.kg.linker_dp").origin  # type: ignore[union-attr]
+    spec = importlib.util.spec_from_file_location("rapiddiff.kg._linker_dp_plain", origin)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def word_check_module(chars: int) -> ModuleType:
+    """The module whose loops check ``chars`` characters (or build a table of that many keys):
+    the plain twin while this process's budget lasts, else :mod:`rapiddiff.kg.linker_dp`."""
+    global _plain_chars_used
+    if _plain_chars_used + chars <= _PLAIN_CHARS:
+        _plain_chars_used += chars
+        return plain_dp()
+    _plain_chars_used = _PLAIN_CHARS  # numba is started now: the compiled loops from here on
     from rapiddiff.kg import linker_dp
 
-    codes = [(ord(h[0]) << 21) | (ord(h[1]) if len(h) == 2 else linker_dp.SINGLE) for h in heads]
-    return linker_dp.build_set(np.asarray(codes, np.int64)), any(len(h) == 1 for h in heads)
+    return linker_dp
 
 
 def _is_alnum(char: str) -> bool:
@@ -306,6 +345,8 @@ class _LinkerIndex:
     jieba's, as add_word does) the linker computes the first time the form is in a segmented
     block. A fixed array, so that memo is bounded by the lexicon, not the text."""
     heads: set[str]
+    head_set: tuple[np.ndarray, bool]
+    """:func:`_head_set` of ``heads``."""
     longest: int
     clashes: int
 
@@ -375,12 +416,13 @@ def _linker_index(pairs: Iterable[tuple[str, int]]) -> _LinkerIndex:
         with np.load(arrays_file) as arrays:  # no pickle: plain arrays only
             entity_ids, weights = arrays["entity_ids"], arrays["weights"]
             heads = set(arrays["heads"].tolist())
+            head_set = (arrays["head_table"], bool(arrays["singles"]))
             longest, clashes = int(arrays["longest"]), int(arrays["clashes"])
         trie = marisa_trie.Trie()
         trie.mmap(str(trie_file))
         if len(trie) == len(entity_ids) == len(weights):
             _touch(arrays_file)
-            return _LinkerIndex(trie, entity_ids, weights, heads, longest, clashes)
+            return _LinkerIndex(trie, entity_ids, weights, heads, head_set, longest, clashes)
     except (OSError, KeyError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
         pass  # absent or damaged: build it again
     index = _build_index(surfaces, ids)
@@ -402,7 +444,7 @@ def _build_index(surfaces: list[str], ids: np.ndarray) -> _LinkerIndex:
     for word, i in jieba_words.trie.iteritems():
         weights[key_id(word)] = jieba_words.weights[i]
     weights[entity_ids >= 0] = np.nan
-    return _LinkerIndex(trie, entity_ids, weights, heads, longest, clashes)
+    return _LinkerIndex(trie, entity_ids, weights, heads, _head_set(heads), longest, clashes)
 
 
 def _write_index(index: _LinkerIndex, trie_file: Path, arrays_file: Path) -> None:
@@ -415,6 +457,8 @@ def _write_index(index: _LinkerIndex, trie_file: Path, arrays_file: Path) -> Non
             entity_ids=index.entity_ids,
             weights=index.weights,
             heads=np.asarray(sorted(index.heads), dtype="<U2"),
+            head_table=index.head_set[0],
+            singles=np.bool_(index.head_set[1]),
             longest=np.int64(index.longest),
             clashes=np.int64(index.clashes),
         )
@@ -468,7 +512,7 @@ class EntityLinker:
         self._weights = index.weights
         self._scan_longest = max(self.longest, _jieba().longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
-        self._head_set = _head_set(self._heads)
+        self._head_set = index.head_set
         if clashes:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
@@ -530,10 +574,9 @@ class EntityLinker:
         Python queries the trie where a form may start (forms and jieba's words in one query);
         the rest — jieba's words elsewhere, the blocks, the DP, the filter — runs compiled
         (:mod:`rapiddiff.kg.linker_dp`) on the matches as flat arrays."""
-        from rapiddiff.kg import linker_dp
-
+        dp = word_check_module(len(norm))
         cp = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        qpos = linker_dp.form_starts(cp, *self._head_set)
+        qpos = dp.form_starts(cp, *self._head_set)
         if not qpos.size:
             return []
         prefixes, longest = self.trie.iter_prefixes_with_ids, self._scan_longest
@@ -541,12 +584,12 @@ class EntityLinker:
         d = _jieba()
         words = _jieba_table()
         args = (cp, qpos, counts, lens, kids, self.entity_ids, self._weights, d.logtotal, *words)
-        cs, ce, ci, keep, unweighed = linker_dp.check(*args)
+        cs, ce, ci, keep, unweighed = dp.check(*args)
         if unweighed.size:  # forms met for the first time in a segmented block: weigh them, then redo
             restore = self.trie.restore_key
             for key_id in set(unweighed.tolist()):
                 self._weights[key_id] = math.log(float(suggested_frequency(restore(key_id)))) - d.logtotal
-            cs, ce, ci, keep, unweighed = linker_dp.check(*args)
+            cs, ce, ci, keep, unweighed = dp.check(*args)
         return list(zip(cs[keep].tolist(), ce[keep].tolist(), ci[keep].tolist(), strict=True))
 
     def link(self, text: str, *, word_check: bool | None = None) -> list[EntitySpan]:

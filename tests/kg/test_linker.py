@@ -260,18 +260,30 @@ def _dense_texts(rng: Any, words: list[str], lexicon: dict[str, int], count: int
     return ["".join(rng.choice(pool) for _ in range(rng.randint(3, 30))) for _ in range(count)]
 
 
+@pytest.mark.parametrize("loops", ["compiled", "plain"])
 @pytest.mark.parametrize("dense", [False, True])
-def test_compiled_word_check_keeps_what_the_python_reference_keeps(dense: bool) -> None:
+def test_compiled_word_check_keeps_what_the_python_reference_keeps(
+    monkeypatch: pytest.MonkeyPatch, dense: bool, loops: str
+) -> None:
     """The compiled check (forms and jieba's words from one trie query where a form may start,
     jieba's words from the hash table elsewhere, the DP in numba) keeps exactly the candidates the
     pure-Python reference keeps (jieba's own trie, _segment's DP), on dense random text. Sparse: a
     3,000-word lexicon, so most positions take jieba's words from the hash table; dense: every
     dictionary word of 2+ characters and every character of the texts is a form, as at 16 M names,
-    so nearly every position is queried and nearly every block segmented."""
+    so nearly every position is queried and nearly every block segmented. "plain": the same loops
+    as linker_dp's plain-Python twin (what a process uses for its first few thousand characters)."""
     import random
 
+    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_dp
     from rapiddiff.kg.linker import _jieba_dictionary
     from rapiddiff.kg.normalize import normalize
+
+    monkeypatch.setattr(linker_module, "_PLAIN_CHARS", 10**12 if loops == "plain" else 0)
+    monkeypatch.setattr(linker_module, "_plain_chars_used", 0)
+    expected = linker_module.plain_dp() if loops == "plain" else linker_dp
+    assert linker_module.word_check_module(1) is expected
+    assert hasattr(expected.check, "py_func") == (loops == "compiled")
 
     rng = random.Random(3 if not dense else 4)
     freq, _ = _jieba_dictionary()
@@ -283,6 +295,7 @@ def test_compiled_word_check_keeps_what_the_python_reference_keeps(dense: bool) 
         lexicon.update((c, -1) for c in sorted(set("".join(texts))) if c.strip())
     lexicon = {w: i for i, w in enumerate(lexicon)}
     linker = EntityLinker(lexicon)
+    assert linker_module.word_check_module(1) is expected
     kept = found = 0
     for text in texts:
         norm = normalize(text)
@@ -445,3 +458,35 @@ def test_index_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatc
     EntityLinker({"熊猫": 0})
     files = _index_files(tmp_path)
     assert len(files) == 4 and set(first) <= set(files)
+
+
+def test_a_short_text_links_without_starting_numba(tmp_path: Path) -> None:
+    """A fresh process that links a prompt (a cold `rapiddiff generate`) runs the word check as
+    linker_dp's plain twin: numba is never imported; the spans are the compiled check's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_dp
+
+    assert linker_module.plain_dp().__name__ == linker_dp.PLAIN_TWIN
+    lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0}
+    text = "一個西紅柿和北京大学的大熊猫，番茄酱不是番茄"
+    code = (
+        "import json, sys\n"
+        "from rapiddiff.kg.linker import EntityLinker\n"
+        f"spans = EntityLinker({lexicon!r}).link({text!r})\n"
+        "print(json.dumps([[s.start, s.end, s.entity_id] for s in spans] + ['numba' in sys.modules]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(2):  # the first run may build the caches (jieba's table is built compiled)
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+    *spans, numba_loaded = json.loads(done.stdout)
+    assert numba_loaded is False
+    assert spans == [[s.start, s.end, s.entity_id] for s in EntityLinker(lexicon).link(text)]
+    assert len(spans) == 4
