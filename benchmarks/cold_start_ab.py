@@ -1,6 +1,6 @@
 """Cold `rapiddiff generate` of two trees, interleaved, beside the floor of the libraries it imports.
 
-    python benchmarks/cold_start_ab.py --before DIR [--after DIR] [--rounds 5] [--out DIR]
+    python benchmarks/cold_start_ab.py --before DIR [--after DIR] [--rounds 5] [--only VARIANT ...] [--out DIR]
 
 Each round runs, in a rotating order, fresh processes of (with ``PYTHONPATH`` set to the tree):
 
@@ -12,6 +12,9 @@ Each round runs, in a rotating order, fresh processes of (with ``PYTHONPATH`` se
   usual way;
 * ``floor: narrow imports``: the same classes (and the PNDM scheduler, the BERT tokenizer) imported
   as the ``after`` tree imports them (only their own files: ``rapiddiff.utils.imports``);
+* ``before: own start-up`` / ``after: own start-up``: the narrow imports first, then (timed inside
+  the child) the load of the built-in model and the prompt's encoding, entity linking included:
+  the start-up that is rapiddiff's own, above the floor;
 * ``before: phases`` / ``after: phases``: each tree's generate phase by phase
   (``cold_start_phases.py``'s child): start-up apart from the image's own seconds (encode + 25
   steps + decode, the ×4 upscale), which on a busy machine vary more than start-up does.
@@ -54,6 +57,21 @@ NARROW = (
     "BertTokenizerFast.__name__\n"
 )
 
+# Start-up above that floor: with the model's library classes imported first (NARROW), the load of
+# the built-in model and the prompt's encoding (entity linking included), in CPU and wall seconds.
+OWN = (
+    NARROW + "import json, resource, time\n"
+    "def cpu():\n"
+    "    u = resource.getrusage(resource.RUSAGE_SELF)\n"
+    "    return u.ru_utime + u.ru_stime\n"
+    "wall, used = time.perf_counter(), cpu()\n"
+    "from rapiddiff.infer.generate_cli import default_model_dir\n"
+    "from rapiddiff.infer.pipeline import RapidDiffusionPipeline\n"
+    "pipe = RapidDiffusionPipeline.from_pretrained(default_model_dir())\n"
+    f"pipe.encode_prompt([{PROMPT!r}])\n"
+    "print(json.dumps([time.perf_counter() - wall, cpu() - used]))\n"
+)
+
 
 def _run(argv: list[str], tree: Path, cwd: Path) -> tuple[float, float, float, str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -84,6 +102,7 @@ def main() -> None:
     parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="untimed generates per tree first")
+    parser.add_argument("--only", nargs="+", help="run only these variants (names as printed)")
     parser.add_argument("--out", type=Path, help="folder for the PNGs and results.json (default: temporary)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="cold-start-ab-"))
@@ -102,11 +121,15 @@ def main() -> None:
         "after": (args.after, lambda: generate(args.after, "after")),
         "floor: libraries": (args.after, lambda: [sys.executable, "-c", LIBRARIES]),
         "floor: narrow imports": (args.after, lambda: [sys.executable, "-c", NARROW]),
+        "before: own start-up": (args.before, lambda: [sys.executable, "-c", OWN]),
+        "after: own start-up": (args.after, lambda: [sys.executable, "-c", OWN]),
         "before: phases": (args.before, lambda: [sys.executable, "-c", CHILD, str(out)]),
         "after: phases": (args.after, lambda: [sys.executable, "-c", CHILD, str(out)]),
     }
+    if args.only:
+        variants = {name: variants[name] for name in args.only}
     for _ in range(args.warmup):
-        for name in ("before", "after"):
+        for name in [n for n in ("before", "after") if n in variants]:
             tree, argv = variants[name]
             _run(argv(), tree, out)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
@@ -128,10 +151,14 @@ def main() -> None:
                 pngs[name] = _fingerprint(png, tree)
             if name in phases:
                 phases[name].append(json.loads(stdout.strip().splitlines()[-1])["rows"])
+            if name.endswith("own start-up"):
+                own_wall, own_cpu = json.loads(stdout.strip().splitlines()[-1])
+                results[name][-1].update(own_wall=own_wall, own_cpu=own_cpu)
+                print(f"  (above the floor: wall {own_wall:.2f} s, cpu {own_cpu:.2f} s)", flush=True)
             print(
                 f"round {r + 1} {name:22s} wall {wall:6.2f} s  cpu {cpu:6.2f} s  load {load:5.2f}", flush=True
             )
-        if pngs["before"] != pngs["after"]:
+        if "before" in pngs and "after" in pngs and pngs["before"] != pngs["after"]:
             raise SystemExit(f"round {r + 1}: the two trees wrote different images: {pngs}")
     print("\n| variant | wall s, median (min–max) | CPU s, median | load at start |\n|---|---|---|---|")
     for name, runs in results.items():
@@ -141,6 +168,19 @@ def main() -> None:
             f"| {name} | {statistics.median(walls):.2f} ({min(walls):.2f}–{max(walls):.2f}) | "
             f"{statistics.median(x['cpu'] for x in runs):.2f} | {min(loads):.1f}–{max(loads):.1f} |"
         )
+    print(
+        "\n| start-up above the floor | wall s, median (min–max) | CPU s, median (min–max) |\n|---|---|---|"
+    )
+    for name in [n for n in ("before: own start-up", "after: own start-up") if n in results]:
+        walls = [x["own_wall"] for x in results[name]]
+        cpus = [x["own_cpu"] for x in results[name]]
+        print(
+            f"| {name.split(':')[0]} | {statistics.median(walls):.2f} ({min(walls):.2f}–{max(walls):.2f}) | "
+            f"{statistics.median(cpus):.2f} ({min(cpus):.2f}–{max(cpus):.2f}) |"
+        )
+    if not all(phases.values()):
+        (out / "results.json").write_text(json.dumps({"runs": results, "phases": phases}, indent=1))
+        return
     print("\n| phase | before: wall s, CPU s (medians) | after: wall s, CPU s (medians) |\n|---|---|---|")
     for k, (name, _, _) in enumerate(phases["after: phases"][0]):
         cells = []
