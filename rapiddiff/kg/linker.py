@@ -351,8 +351,9 @@ class _LinkerIndex:
     clashes: int
 
 
-# Bump when what _build_index computes changes. The cache key also carries a digest of this file's
-# and normalize.py's source, so an edited linker never reads an index an older one wrote.
+# Bump when what _build_index computes changes. The cache key also carries a digest of the source
+# of this file, normalize.py and linker_dp.py (the head set's hash layout), so an edited linker
+# never reads an index an older one wrote.
 _INDEX_VERSION = 1
 # Cached indexes kept (the most recently used): each is ~6 MB for a small lexicon (jieba's words
 # dominate), ~12 bytes a form more for a large one.
@@ -366,7 +367,7 @@ def _code_digest() -> str:
     from rapiddiff.kg import normalize as normalize_module
 
     digest = hashlib.sha256()
-    for module_file in (__file__, normalize_module.__file__):
+    for module_file in (__file__, normalize_module.__file__, Path(__file__).with_name("linker_dp.py")):
         try:
             digest.update(Path(module_file).read_bytes())
         except (OSError, TypeError):  # no source file (a frozen install): the package version decides

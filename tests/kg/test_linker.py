@@ -425,6 +425,18 @@ def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(linker_module, "_jieba_source", lambda: (*source[:3], source[3] + 1))
     EntityLinker({"番茄": 0})
     assert len(_index_files(tmp_path)) == 6
+    # The code digest covers linker.py and linker_dp.py (the head set's hash layout is cached).
+    code = tmp_path / "code"
+    code.mkdir()
+    for name in ("linker.py", "linker_dp.py"):
+        (code / name).write_bytes(Path(linker_module.__file__).with_name(name).read_bytes())
+    monkeypatch.setattr(linker_module, "__file__", str(code / "linker.py"))
+    digests = [linker_module._code_digest.__wrapped__()]
+    for name in ("linker_dp.py", "linker.py"):
+        with (code / name).open("a") as f:
+            f.write("# edited\n")
+        digests.append(linker_module._code_digest.__wrapped__())
+    assert len(set(digests)) == 3
 
 
 def test_damaged_or_unwritable_index_cache_builds_again(
