@@ -1,11 +1,13 @@
 """A small on-disk cache for tables the KG stage derives from installed data (jieba's dictionary,
-the normalisation table): built once per machine, then loaded in a fraction of the build time.
+the normalisation table) and from a store (the entity linker's index): built once per machine,
+then loaded in a fraction of the build time.
 
 Files live in ``$RAPIDDIFF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rapiddiff``, else
 ``~/.cache/rapiddiff``; the name carries a hash of everything the table depends on (package
-versions, source file size and time), so a changed source gets a new file. They hold plain
-data written with :mod:`marshal` (dicts of str/int/float, as jieba's own cache), never pickle.
-Where the folder cannot be written, the table is simply built each time.
+versions, source file size and time, a store's forms), so a changed source gets a new file. They
+hold plain data — :mod:`marshal` (dicts of str/int/float, as jieba's own cache), MARISA tries,
+numpy ``.npz`` arrays — never pickle. Where the folder cannot be written, the table is simply
+built each time.
 """
 
 from __future__ import annotations

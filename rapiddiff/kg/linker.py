@@ -16,7 +16,8 @@
    falls strictly inside the block. jieba's words live in the same trie as the forms, so where a
    form may start one query finds both; elsewhere, and for the blocks, the DP and the filter, a
    compiled pass (:mod:`rapiddiff.kg.linker_dp`, numba) does what jieba's get_DAG + calc would,
-   with the same float operations.
+   with the same float operations (the same loops as plain Python for a process's first few
+   thousand characters, where starting numba would cost more: :func:`word_check_module`).
 4. Keep the longest, then leftmost, of overlapping candidates.
 """
 
@@ -29,6 +30,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,7 +134,8 @@ def _jieba() -> _JiebaDictionary:
 def _jieba_table() -> tuple[np.ndarray, ...]:
     """jieba's dictionary as :func:`linker_dp.build_words`'s hash table over code points, plus the
     code point pool it points into (what :func:`linker_dp.check` walks where no form starts)."""
-    from rapiddiff.kg import linker_dp
+    import zipfile
+
     from rapiddiff.kg.cache import cache_file
     from rapiddiff.utils.io import atomic_open
 
@@ -143,8 +146,10 @@ def _jieba_table() -> tuple[np.ndarray, ...]:
     try:
         with np.load(cached) as arrays:
             return arrays["table"], arrays["slot_weight"], arrays["pool"]
-    except (OSError, KeyError, ValueError, EOFError):
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         pass  # absent or damaged: build it again
+    from rapiddiff.kg import linker_dp  # 350 k words: compiled (numba) whatever the budget
+
     items = list(d.trie.iteritems())
     words = [w for w, _ in items]
     pool = np.frombuffer("".join(words).encode("utf-32-le"), dtype=np.uint32)
@@ -165,10 +170,44 @@ def _head_set(heads: set[str]) -> tuple[np.ndarray, bool]:
     """The forms' first two characters as :func:`linker_dp.form_starts` reads them: a hash set of
     ``c0 << 21 | c1`` (and ``c << 21 | SINGLE`` for a one-character form); whether any form has
     one character."""
+    dp = word_check_module(len(heads))
+    codes = [(ord(h[0]) << 21) | (ord(h[1]) if len(h) == 2 else dp.SINGLE) for h in heads]
+    return dp.build_set(np.asarray(codes, np.int64)), any(len(h) == 1 for h in heads)
+
+
+# The word check's loops run as linker_dp's plain-Python twin (the same code, not compiled) until
+# the process has given them this many characters, then compiled. numba's start in a process
+# (its import, then loading the cached machine code) costs ~0.5 s on an idle 2-core machine; the
+# twin checks ~15 k characters a second, so it stops at about half that cost. A cold `rapiddiff
+# generate` links one prompt (tens of characters) and never starts numba; a training or evaluation
+# run pays at most this much extra before it switches. The results are the same either way.
+_PLAIN_CHARS = 4_000
+_plain_chars_used = 0
+
+
+@functools.cache
+def plain_dp() -> ModuleType:
+    """:mod:`rapiddiff.kg.linker_dp` loaded as plain Python (:data:`linker_dp.PLAIN_TWIN`)."""
+    import importlib.util
+
+    origin = importlib.util.find_spec("rapiddiff.kg.linker_dp").origin  # type: ignore[union-attr]
+    spec = importlib.util.spec_from_file_location("rapiddiff.kg._linker_dp_plain", origin)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def word_check_module(chars: int) -> ModuleType:
+    """The module whose loops check ``chars`` characters (or build a table of that many keys):
+    the plain twin while this process's budget lasts, else :mod:`rapiddiff.kg.linker_dp`."""
+    global _plain_chars_used
+    if _plain_chars_used + chars <= _PLAIN_CHARS:
+        _plain_chars_used += chars
+        return plain_dp()
+    _plain_chars_used = _PLAIN_CHARS  # numba is started now: the compiled loops from here on
     from rapiddiff.kg import linker_dp
 
-    codes = [(ord(h[0]) << 21) | (ord(h[1]) if len(h) == 2 else linker_dp.SINGLE) for h in heads]
-    return linker_dp.build_set(np.asarray(codes, np.int64)), any(len(h) == 1 for h in heads)
+    return linker_dp
 
 
 def _is_alnum(char: str) -> bool:
@@ -293,6 +332,156 @@ def _surface_index(
 
 
 @dataclass(frozen=True)
+class _LinkerIndex:
+    """What :class:`EntityLinker` builds from its lexicon and jieba's dictionary (the costly part of
+    making one: a trie of jieba's 350 k words plus the forms, and a weight for each key)."""
+
+    trie: Any
+    entity_ids: np.ndarray
+    """int32 entity id per trie key; -1 for jieba's words that are not forms."""
+    weights: np.ndarray
+    """float64 segmentation weight per trie key, 8 bytes a key (131 MB at 16 M forms): jieba's
+    log(freq) - log(total) for its words; NaN for a form, whose add_word weight (which replaces
+    jieba's, as add_word does) the linker computes the first time the form is in a segmented
+    block. A fixed array, so that memo is bounded by the lexicon, not the text."""
+    heads: set[str]
+    head_set: tuple[np.ndarray, bool]
+    """:func:`_head_set` of ``heads``."""
+    longest: int
+    clashes: int
+
+
+# Bump when what _build_index computes changes. The cache key also carries a digest of the source
+# of this file, normalize.py and linker_dp.py (the head set's hash layout), so an edited linker
+# never reads an index an older one wrote.
+_INDEX_VERSION = 1
+# Cached indexes kept (the most recently used): each is ~6 MB for a small lexicon (jieba's words
+# dominate), ~12 bytes a form more for a large one.
+_KEEP_INDEXES = 8
+
+
+@functools.cache
+def _code_digest() -> str:
+    import hashlib
+
+    from rapiddiff.kg import normalize as normalize_module
+
+    digest = hashlib.sha256()
+    for module_file in (__file__, normalize_module.__file__, Path(__file__).with_name("linker_dp.py")):
+        try:
+            digest.update(Path(module_file).read_bytes())
+        except (OSError, TypeError):  # no source file (a frozen install): the package version decides
+            from rapiddiff import __version__
+
+            digest.update(__version__.encode())
+    return digest.hexdigest()
+
+
+def _lexicon_digest(surfaces: list[str], ids: np.ndarray) -> str:
+    """sha256 of the (form, entity id) pairs, in order (the order decides clashes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    digest.update(np.fromiter(map(len, surfaces), np.int64, len(surfaces)).tobytes())
+    digest.update(ids.astype(np.int64).tobytes())
+    digest.update("".join(surfaces).encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def _linker_index(pairs: Iterable[tuple[str, int]]) -> _LinkerIndex:
+    """The linker's index of ``pairs``, from the on-disk cache (:mod:`rapiddiff.kg.cache`) when it
+    holds one built from the same pairs, jieba dictionary, normalisation table and code; else built
+    and written there. Building it costs ~0.6 s for any lexicon (jieba's words), minutes for OpenKG's
+    16 M forms; reading it back, milliseconds (the trie is memory-mapped, like jieba's)."""
+    import zipfile
+    from importlib.metadata import version
+
+    import marisa_trie
+
+    from rapiddiff.kg.cache import cache_file
+    from rapiddiff.kg.normalize import table_key
+
+    surfaces: list[str] = []
+    id_list: list[int] = []
+    for surface, entity_id in pairs:
+        surfaces.append(surface)
+        id_list.append(int(entity_id))
+    ids = np.asarray(id_list, dtype=np.int64)
+    del id_list
+    key = (
+        "linker-index", _INDEX_VERSION, _code_digest(), version("marisa-trie"), *_jieba_source(),
+        table_key(), _lexicon_digest(surfaces, ids),
+    )  # fmt: skip
+    trie_file, arrays_file = cache_file("linker", key, ".marisa"), cache_file("linker", key, ".npz")
+    try:
+        with np.load(arrays_file) as arrays:  # no pickle: plain arrays only
+            entity_ids, weights = arrays["entity_ids"], arrays["weights"]
+            heads = set(arrays["heads"].tolist())
+            head_set = (arrays["head_table"], bool(arrays["singles"]))
+            longest, clashes = int(arrays["longest"]), int(arrays["clashes"])
+        trie = marisa_trie.Trie()
+        trie.mmap(str(trie_file))
+        if len(trie) == len(entity_ids) == len(weights):
+            _touch(arrays_file)
+            return _LinkerIndex(trie, entity_ids, weights, heads, head_set, longest, clashes)
+    except (OSError, KeyError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
+        pass  # absent or damaged: build it again
+    index = _build_index(surfaces, ids)
+    try:
+        trie_file.parent.mkdir(parents=True, exist_ok=True)
+        _write_index(index, trie_file, arrays_file)
+        _evict_indexes(trie_file.parent)
+    except OSError as err:  # a read-only home: correct, only slower
+        log.debug("cannot cache the linker's index in %s (%s)", trie_file.parent, err)
+    return index
+
+
+def _build_index(surfaces: list[str], ids: np.ndarray) -> _LinkerIndex:
+    jieba_words = _jieba()
+    pairs = zip(surfaces, ids.tolist(), strict=True)
+    trie, entity_ids, heads, longest, clashes = _surface_index(pairs, jieba_words.trie.keys())
+    weights = np.full(len(trie), np.nan)
+    key_id = trie.key_id
+    for word, i in jieba_words.trie.iteritems():
+        weights[key_id(word)] = jieba_words.weights[i]
+    weights[entity_ids >= 0] = np.nan
+    return _LinkerIndex(trie, entity_ids, weights, heads, _head_set(heads), longest, clashes)
+
+
+def _write_index(index: _LinkerIndex, trie_file: Path, arrays_file: Path) -> None:
+    from rapiddiff.utils.io import atomic_open, atomic_write_bytes
+
+    atomic_write_bytes(trie_file, index.trie.tobytes())
+    with atomic_open(arrays_file, "wb") as f:  # written last: a complete .npz means a complete pair
+        np.savez(
+            f,
+            entity_ids=index.entity_ids,
+            weights=index.weights,
+            heads=np.asarray(sorted(index.heads), dtype="<U2"),
+            head_table=index.head_set[0],
+            singles=np.bool_(index.head_set[1]),
+            longest=np.int64(index.longest),
+            clashes=np.int64(index.clashes),
+        )
+
+
+def _touch(file: Path) -> None:
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError):
+        os.utime(file)  # most recently used: the last one _evict_indexes removes
+
+
+def _evict_indexes(folder: Path) -> None:
+    """Keep the :data:`_KEEP_INDEXES` most recently used linker indexes in the cache folder."""
+    files = sorted(folder.glob("linker-*.npz"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+    for old in files[_KEEP_INDEXES:]:
+        for file in (old, old.with_suffix(".marisa")):
+            file.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
 class EntitySpan:
     """A linked mention: ``text[start:end] == surface`` in the ORIGINAL text."""
 
@@ -314,25 +503,17 @@ class EntityLinker:
         ``word_check=False`` skips the jieba check (pure longest match), for ablations.
         """
         pairs = lexicon.items() if isinstance(lexicon, Mapping) else lexicon
-        jieba_words = _jieba()
-        self.trie, self.entity_ids, self._heads, self.longest, clashes = _surface_index(
-            pairs, jieba_words.trie.keys()
-        )
+        index = _linker_index(pairs)
+        self.trie, self.entity_ids, self._heads = index.trie, index.entity_ids, index.heads
+        self.longest, clashes = index.longest, index.clashes
         self._forms = int((self.entity_ids >= 0).sum())
         self._ids = memoryview(self.entity_ids)  # indexing gives a Python int: 3x a numpy scalar
-        # The segmentation weight of each trie key, 8 bytes a key (131 MB at 16 M forms): jieba's
-        # log(freq) - log(total) for its words; for a form, its add_word weight, which replaces
-        # jieba's as add_word does, computed the first time the form is in a segmented block
-        # (NaN until then). A fixed array, so the memo is bounded by the lexicon, not the text.
-        weights = np.full(len(self.trie), np.nan)
-        key_id = self.trie.key_id
-        for word, i in jieba_words.trie.iteritems():
-            weights[key_id(word)] = jieba_words.weights[i]
-        weights[self.entity_ids >= 0] = np.nan
-        self._weights = weights
-        self._scan_longest = max(self.longest, jieba_words.longest)
+        # The segmentation weight of each trie key (see _LinkerIndex.weights); this linker fills
+        # in its forms' add_word weights as it meets them, so it keeps its own copy.
+        self._weights = index.weights
+        self._scan_longest = max(self.longest, _jieba().longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
-        self._head_set = _head_set(self._heads)
+        self._head_set = index.head_set
         if clashes:
             log.info("%d surface forms normalise to a form of another entity; the first one is kept", clashes)
         self.word_check = word_check
@@ -394,10 +575,9 @@ class EntityLinker:
         Python queries the trie where a form may start (forms and jieba's words in one query);
         the rest — jieba's words elsewhere, the blocks, the DP, the filter — runs compiled
         (:mod:`rapiddiff.kg.linker_dp`) on the matches as flat arrays."""
-        from rapiddiff.kg import linker_dp
-
+        dp = word_check_module(len(norm))
         cp = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        qpos = linker_dp.form_starts(cp, *self._head_set)
+        qpos = dp.form_starts(cp, *self._head_set)
         if not qpos.size:
             return []
         prefixes, longest = self.trie.iter_prefixes_with_ids, self._scan_longest
@@ -405,12 +585,12 @@ class EntityLinker:
         d = _jieba()
         words = _jieba_table()
         args = (cp, qpos, counts, lens, kids, self.entity_ids, self._weights, d.logtotal, *words)
-        cs, ce, ci, keep, unweighed = linker_dp.check(*args)
+        cs, ce, ci, keep, unweighed = dp.check(*args)
         if unweighed.size:  # forms met for the first time in a segmented block: weigh them, then redo
             restore = self.trie.restore_key
             for key_id in set(unweighed.tolist()):
                 self._weights[key_id] = math.log(float(suggested_frequency(restore(key_id)))) - d.logtotal
-            cs, ce, ci, keep, unweighed = linker_dp.check(*args)
+            cs, ce, ci, keep, unweighed = dp.check(*args)
         return list(zip(cs[keep].tolist(), ce[keep].tolist(), ci[keep].tolist(), strict=True))
 
     def link(self, text: str, *, word_check: bool | None = None) -> list[EntitySpan]:

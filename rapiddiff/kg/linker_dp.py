@@ -26,19 +26,29 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import numba
+# The same file imported under this name runs as plain Python, numba not even imported:
+# rapiddiff.kg.linker.plain_dp() loads it so, for a process that links only a few short texts
+# (a cold `rapiddiff generate`), where numba's start costs more than the whole check.
+PLAIN_TWIN = "rapiddiff.kg._linker_dp_plain"
 
-    _njit: Callable[[Any], Any] = numba.njit(cache=True, nogil=True)
-except ImportError:  # e.g. a machine without llvmlite's 60 MB wheel: the same code, plain Python
 
-    def _njit(function: Any) -> Any:
-        @functools.wraps(function)
-        def plain(*args: Any) -> Any:
-            with np.errstate(over="ignore"):  # the hashes wrap on purpose, as compiled uint64 does
-                return function(*args)
+def _plain(function: Any) -> Any:
+    @functools.wraps(function)
+    def plain(*args: Any) -> Any:
+        with np.errstate(over="ignore"):  # the hashes wrap on purpose, as compiled uint64 does
+            return function(*args)
 
-        return plain
+    return plain
+
+
+_njit: Callable[[Any], Any] = _plain
+if __name__ != PLAIN_TWIN:
+    try:
+        import numba
+
+        _njit = numba.njit(cache=True, nogil=True)
+    except ImportError:  # e.g. a machine without llvmlite's 60 MB wheel: the same code, plain Python
+        pass
 
 
 _MULT = np.uint64(1_000_003)

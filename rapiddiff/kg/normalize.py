@@ -43,12 +43,17 @@ def normalization_table() -> dict[int, str]:
     Built once per machine (about a second: NFKC of 64 k characters and OpenCC of 28 k) and
     then read from the on-disk cache (:mod:`rapiddiff.kg.cache`).
     """
-    from importlib.metadata import version
-
     from rapiddiff.kg.cache import cached
 
-    key = (_TABLE_VERSION, unicodedata.unidata_version, version("opencc-python-reimplemented"), DOT_FAMILY)
-    return cached("normalization", key, _build_table)
+    return cached("normalization", table_key(), _build_table)
+
+
+@functools.cache
+def table_key() -> tuple[object, ...]:
+    """What the normalisation table depends on (its on-disk cache, and the linker's, are keyed on it)."""
+    from importlib.metadata import version
+
+    return (_TABLE_VERSION, unicodedata.unidata_version, version("opencc-python-reimplemented"), DOT_FAMILY)
 
 
 def _build_table() -> dict[int, str]:

@@ -44,14 +44,16 @@ def _defer_package(name: str) -> None:
         real = sys.modules.get(name, module)
         if real is not module:
             parent, _, child = name.rpartition(".")
-            setattr(sys.modules[parent], child, real)
+            if parent:
+                setattr(sys.modules[parent], child, real)
             module.__dict__["__getattr__"] = lambda a: getattr(real, a)
         return getattr(real, attr)
 
     module.__dict__["__getattr__"] = __getattr__
     sys.modules[name] = module
     parent, _, child = name.rpartition(".")
-    setattr(sys.modules[parent], child, module)
+    if parent:  # a top-level package has no parent to name it
+        setattr(sys.modules[parent], child, module)
 
 
 def import_module(name: str, defer: Iterable[str] = ()) -> ModuleType:

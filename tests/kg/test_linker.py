@@ -260,18 +260,30 @@ def _dense_texts(rng: Any, words: list[str], lexicon: dict[str, int], count: int
     return ["".join(rng.choice(pool) for _ in range(rng.randint(3, 30))) for _ in range(count)]
 
 
+@pytest.mark.parametrize("loops", ["compiled", "plain"])
 @pytest.mark.parametrize("dense", [False, True])
-def test_compiled_word_check_keeps_what_the_python_reference_keeps(dense: bool) -> None:
+def test_compiled_word_check_keeps_what_the_python_reference_keeps(
+    monkeypatch: pytest.MonkeyPatch, dense: bool, loops: str
+) -> None:
     """The compiled check (forms and jieba's words from one trie query where a form may start,
     jieba's words from the hash table elsewhere, the DP in numba) keeps exactly the candidates the
     pure-Python reference keeps (jieba's own trie, _segment's DP), on dense random text. Sparse: a
     3,000-word lexicon, so most positions take jieba's words from the hash table; dense: every
     dictionary word of 2+ characters and every character of the texts is a form, as at 16 M names,
-    so nearly every position is queried and nearly every block segmented."""
+    so nearly every position is queried and nearly every block segmented. "plain": the same loops
+    as linker_dp's plain-Python twin (what a process uses for its first few thousand characters)."""
     import random
 
+    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_dp
     from rapiddiff.kg.linker import _jieba_dictionary
     from rapiddiff.kg.normalize import normalize
+
+    monkeypatch.setattr(linker_module, "_PLAIN_CHARS", 10**12 if loops == "plain" else 0)
+    monkeypatch.setattr(linker_module, "_plain_chars_used", 0)
+    expected = linker_module.plain_dp() if loops == "plain" else linker_dp
+    assert linker_module.word_check_module(1) is expected
+    assert hasattr(expected.check, "py_func") == (loops == "compiled")
 
     rng = random.Random(3 if not dense else 4)
     freq, _ = _jieba_dictionary()
@@ -283,6 +295,7 @@ def test_compiled_word_check_keeps_what_the_python_reference_keeps(dense: bool) 
         lexicon.update((c, -1) for c in sorted(set("".join(texts))) if c.strip())
     lexicon = {w: i for i, w in enumerate(lexicon)}
     linker = EntityLinker(lexicon)
+    assert linker_module.word_check_module(1) is expected
     kept = found = 0
     for text in texts:
         norm = normalize(text)
@@ -344,3 +357,148 @@ def test_word_check_without_numba_keeps_the_same_spans(
         monkeypatch.undo()
         importlib.reload(linker_dp)
     assert hasattr(linker_dp.check, "py_func")
+
+
+def _index_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("linker-*"))
+
+
+def test_cached_index_is_the_built_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A linker read from the on-disk cache is the one a build makes: the same trie keys and ids,
+    entity ids, weights, heads and lengths, and the same spans; nothing is built the second time."""
+    import numpy as np
+
+    from rapiddiff.kg import linker as linker_module
+
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0, "大熊猫": 8, "蕃茄": 0}
+    built = EntityLinker(lexicon)
+    assert len(_index_files(tmp_path)) == 2  # the trie and the arrays
+    builds = []
+    monkeypatch.setattr(linker_module, "_build_index", lambda *a: builds.append(a) or pytest.fail("rebuilt"))
+    cached = EntityLinker(lexicon)
+    assert not builds
+    assert list(cached.trie.iteritems()) == list(built.trie.iteritems())
+    assert np.array_equal(cached.entity_ids, built.entity_ids) and cached.entity_ids.dtype == np.int32
+    assert np.array_equal(cached._weights, built._weights, equal_nan=True)
+    assert (cached._heads, cached.longest, cached._scan_longest, len(cached)) == (
+        built._heads, built.longest, built._scan_longest, len(built),
+    )  # fmt: skip
+    texts = ["一个西紅柿和北京大学的大熊猫", "番茄酱不是番茄", "ＡＢＣ公司的茄子", "番茄汁"]
+    assert [cached.link(t) for t in texts] == [built.link(t) for t in texts]
+    # The linker fills in its forms' weights as it meets them: the cache keeps the unfilled ones.
+    assert np.isnan(EntityLinker(lexicon)._weights[cached.entity_ids >= 0]).all()
+
+
+def test_changed_lexicon_never_reuses_an_old_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A changed store (a form added, an id changed, the same forms in another order — which decides
+    clashes) gets its own index; the old one is never read for it."""
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    names = ["番茄", "红色", "熊猫"]
+    store = KnowledgeStore.from_arrays(names, ["r"], torch.zeros(3, 2), torch.zeros(1, 2))
+    assert [s.entity_id for s in EntityLinker.from_store(store).link("红色的番茄")] == [1, 0]
+    renamed = KnowledgeStore.from_arrays(
+        ["熊猫", "红色", "番茄"], ["r"], torch.zeros(3, 2), torch.zeros(1, 2)
+    )
+    assert [s.entity_id for s in EntityLinker.from_store(renamed).link("红色的番茄")] == [1, 2]
+    aliased = KnowledgeStore.from_arrays(
+        names, ["r"], torch.zeros(3, 2), torch.zeros(1, 2), aliases={"番茄": ["西红柿"]}
+    )
+    assert [s.surface for s in EntityLinker.from_store(aliased).link("红色的西红柿")] == ["红色", "西红柿"]
+    assert EntityLinker.from_store(store).link("红色的西红柿") == [EntitySpan(0, 2, 1, "红色")]
+    # Order decides a clash (two forms that normalise alike): first pair wins, cache or not.
+    assert EntityLinker([("番茄", 0), ("番茄", 5)]).link("番茄")[0].entity_id == 0
+    assert EntityLinker([("番茄", 5), ("番茄", 0)]).link("番茄")[0].entity_id == 5
+    assert len(_index_files(tmp_path)) == 2 * 5
+
+
+def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another linker version (or jieba dictionary) does not read this one's index."""
+    from rapiddiff.kg import linker as linker_module
+
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    EntityLinker({"番茄": 0})
+    monkeypatch.setattr(linker_module, "_INDEX_VERSION", linker_module._INDEX_VERSION + 1)
+    EntityLinker({"番茄": 0})
+    assert len(_index_files(tmp_path)) == 4
+    source = linker_module._jieba_source()
+    monkeypatch.setattr(linker_module, "_jieba_source", lambda: (*source[:3], source[3] + 1))
+    EntityLinker({"番茄": 0})
+    assert len(_index_files(tmp_path)) == 6
+    # The code digest covers linker.py and linker_dp.py (the head set's hash layout is cached).
+    code = tmp_path / "code"
+    code.mkdir()
+    for name in ("linker.py", "linker_dp.py"):
+        (code / name).write_bytes(Path(linker_module.__file__).with_name(name).read_bytes())
+    monkeypatch.setattr(linker_module, "__file__", str(code / "linker.py"))
+    digests = [linker_module._code_digest.__wrapped__()]
+    for name in ("linker_dp.py", "linker.py"):
+        with (code / name).open("a") as f:
+            f.write("# edited\n")
+        digests.append(linker_module._code_digest.__wrapped__())
+    assert len(set(digests)) == 3
+
+
+def test_damaged_or_unwritable_index_cache_builds_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A truncated or emptied cache file is built again (and rewritten); a cache folder that cannot
+    be written only costs the build."""
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    expected = EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄")
+    for damaged in _index_files(tmp_path / "cache"):
+        good = damaged.read_bytes()
+        for bad in (good[: len(good) // 2], b""):
+            damaged.write_bytes(bad)
+            assert EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄") == expected
+            assert damaged.read_bytes() == good  # rewritten
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(blocker / "cache"))
+    assert EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄") == expected
+
+
+def test_index_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rapiddiff.kg import linker as linker_module
+
+    monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linker_module, "_KEEP_INDEXES", 2)
+    EntityLinker({"番茄": 0})
+    first = _index_files(tmp_path)
+    EntityLinker({"红色": 0})
+    EntityLinker({"番茄": 0})  # read: now the most recently used
+    EntityLinker({"熊猫": 0})
+    files = _index_files(tmp_path)
+    assert len(files) == 4 and set(first) <= set(files)
+
+
+def test_a_short_text_links_without_starting_numba(tmp_path: Path) -> None:
+    """A fresh process that links a prompt (a cold `rapiddiff generate`) runs the word check as
+    linker_dp's plain twin: numba is never imported; the spans are the compiled check's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_dp
+
+    assert linker_module.plain_dp().__name__ == linker_dp.PLAIN_TWIN
+    lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0}
+    text = "一個西紅柿和北京大学的大熊猫，番茄酱不是番茄"
+    code = (
+        "import json, sys\n"
+        "from rapiddiff.kg.linker import EntityLinker\n"
+        f"spans = EntityLinker({lexicon!r}).link({text!r})\n"
+        "print(json.dumps([[s.start, s.end, s.entity_id] for s in spans] + ['numba' in sys.modules]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(2):  # the first run may build the caches (jieba's table is built compiled)
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+    *spans, numba_loaded = json.loads(done.stdout)
+    assert numba_loaded is False
+    assert spans == [[s.start, s.end, s.entity_id] for s in EntityLinker(lexicon).link(text)]
+    assert len(spans) == 4

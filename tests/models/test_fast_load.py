@@ -187,3 +187,20 @@ def test_deferred_packages_complete_on_use():
     checks = json.loads(done.stdout.strip().splitlines()[-1])
     assert checks.pop("skipped") == []
     assert all(checks.values()), checks
+
+
+def test_cast_is_torchs_widening_bit_for_bit():
+    """bundle.cast widens float16 through numpy: the same bits as torch's ``.to`` for every finite
+    float16 (normal, subnormal, ±0) and ±inf; NaN stays NaN. Other casts are torch's own."""
+    from rapiddiff.models.bundle import cast
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    ours, torchs = cast(every, torch.float32), every.to(torch.float32)
+    assert ours.dtype == torch.float32 and ours.shape == every.shape and ours.is_contiguous()
+    finite = ~torch.isnan(torchs)
+    assert torch.equal(ours[finite].view(torch.int32), torchs[finite].view(torch.int32))
+    assert torch.isnan(ours[~finite]).all() and int((~finite).sum()) == 2 * 1023  # every NaN code
+    weight = torch.randn(4, 3, 2, 2).half()[:, 1:]  # a non-contiguous view
+    assert torch.equal(cast(weight, torch.float32), weight.float())
+    assert cast(weight, torch.float16) is weight
+    assert torch.equal(cast(weight.float(), torch.bfloat16), weight.float().bfloat16())

@@ -196,3 +196,63 @@ def test_bad_base_settings_and_metadata_are_errors(tmp_path):
         ValueError, match=r"rrdb\.safetensors: metadata 'base'='bicubic' is a compact-net setting"
     ):
         load_upscaler(rrdb)
+
+
+@pytest.mark.parametrize("base", ["bicubic", "nearest"])
+def test_own_compact_file_loads_as_spandrels_registry_loads_it(monkeypatch, tmp_path, base):
+    """A compact file rapiddiff saved (architecture Compact, a base recorded) is built by spandrel's
+    CompactArch directly, without spandrel's registry: the same module (weights, dtype, base,
+    scale, outputs) as through ``ModelLoader``'s detection. Other files still go through it."""
+    from rapiddiff.models import upscaler as upscaler_module
+    from rapiddiff.models.bundle import builtin_model_dir
+
+    torch.manual_seed(1)
+    net = build_compact(num_feat=8, num_conv=3, base=base)
+    torch.nn.init.normal_(net.body[-1].weight, std=0.05)
+    files = [save_upscaler(net, tmp_path / "up"), builtin_model_dir() / "upscaler" / "upscaler.safetensors"]
+    direct = [load_upscaler(f) for f in files]
+    calls = []
+    monkeypatch.setattr(upscaler_module, "_load_own_compact", lambda *a: calls.append(a))  # → None
+    through_registry = [load_upscaler(f) for f in files]
+    assert len(calls) == len(files)
+    x = torch.rand(1, 3, 9, 7, generator=torch.Generator().manual_seed(2))
+    for ours, theirs in zip(direct, through_registry, strict=True):
+        assert type(ours) is type(theirs) and ours.base == theirs.base and ours.scale == theirs.scale
+        assert ours.training is theirs.training is False
+        state, expected = ours.state_dict(), theirs.state_dict()
+        assert list(state) == list(expected)
+        assert all(state[k].dtype == expected[k].dtype and torch.equal(state[k], expected[k]) for k in state)
+        assert torch.equal(upscale(ours.float(), x), upscale(theirs.float(), x))
+    assert direct[0].base == base
+
+
+def test_own_compact_file_loads_without_spandrels_registry(tmp_path):
+    """In a fresh interpreter the built-in upscaler loads without importing spandrel's other
+    architectures; a later ``import spandrel`` is the whole package."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from rapiddiff.models.bundle import builtin_model_dir
+        from rapiddiff.models.upscaler import load_upscaler
+        net = load_upscaler(builtin_model_dir() / "upscaler")
+        others = sorted(m for m in sys.modules if m.startswith("spandrel.architectures.") and ".Compact" not in m)
+        import spandrel
+        from spandrel import MAIN_REGISTRY, ModelLoader
+        print(json.dumps({"others": others, "base": net.base, "version": spandrel.__version__,
+                          "registry": len(list(MAIN_REGISTRY)) > 30 and ModelLoader.__name__ == "ModelLoader",
+                          "arch": spandrel.architectures.Compact.CompactArch.__name__}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    checks = json.loads(done.stdout.strip().splitlines()[-1])
+    assert checks["others"] == []
+    assert checks["base"] == "bicubic" and checks["registry"] and checks["arch"] == "CompactArch"
+    assert checks["version"]
