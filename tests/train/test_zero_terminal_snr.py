@@ -61,6 +61,11 @@ def test_sampling_is_finite_and_the_fast_loop_matches_eager(trained: Path) -> No
     assert torch.isfinite(eager("熊猫", scheduler="dpm++", **{**kwargs, "seed": 0}).latents).all()
     with pytest.raises(ValueError, match="zero terminal SNR"):
         eager("熊猫", scheduler="pndm", **{**kwargs, "seed": 0})
+    from rapiddiff.serve.config import ServeConfig
+    from rapiddiff.serve.engine import model_limits
+
+    # Serving offers only the samplers that can step from ᾱ_T = 0: a pndm request is a 400, not a 500.
+    assert model_limits(eager, ServeConfig()).schedulers == sampling.ZERO_SNR_SAMPLERS
     fast = accelerate(RapidDiffusionPipeline.from_pretrained(trained), compile_unet=None, compile_vae=None)
     out = fast(["蓝色背景上有一个番茄", "熊猫"], **kwargs)
     assert not fast.report["loop"].startswith("eager")  # DDIM v-prediction is a linear plan
