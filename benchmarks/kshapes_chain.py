@@ -95,6 +95,12 @@ class ChainConfig:
     unet_speed: bool = True
     """the U-Net stage's small-model speed switches (GPU-resident data, captured step, fused AdamW and
     EMA: BENCHMARKS.md "Small models: the kshapes U-Net step"); the stage config leaves them off."""
+    unet_zero_snr: bool = False
+    """train the U-Net on a zero-terminal-SNR schedule with v-prediction (Lin et al. 2024; BENCHMARKS.md
+    "Backgrounds and the noise schedule"): x_T is pure noise, so the image's overall colour comes from
+    the text, not from the noise's mean. The built-in model then samples with DDIM, trailing timesteps."""
+    guidance_rescale: float = 0.0
+    """CFG rescale the built-in model records as its default (0.7 is Lin et al.'s with zero SNR)."""
     """FID on the knowledge-on CLIP's image tower (needs the full CLIP folder, not a packed one)."""
 
 
@@ -300,6 +306,7 @@ class Chain:
                              "--model.speed.sync_every=10"]  # fmt: skip
                     if mode == "off":  # frozen text side: its states are cached once
                         text.append("--model.speed.cache_text=true")
+                text += self.schedule_overrides()
                 jobs[f"unet_{mode}"] = self.training(
                     "unet", self.cfg.unet, out, *data, f"--model.vae={self.out / 'vae'}", *text
                 )
@@ -307,6 +314,12 @@ class Chain:
             self.run_parallel(jobs)
         self.assemble_builtin()
         self.evaluate()
+
+    def schedule_overrides(self) -> list[str]:
+        """The U-Net stage's noise schedule and prediction: the stage config's, or zero terminal SNR."""
+        if not self.cfg.unet_zero_snr:
+            return []
+        return ["--model.loss.prediction_type=v_prediction", "--model.loss.zero_terminal_snr=true"]
 
     def assemble_builtin(self) -> None:
         """The knowledge-on model, its upscaler beside it, in fp16: what `rapiddiff generate` ships."""
@@ -316,7 +329,9 @@ class Chain:
         start = time.time()
         upscaler = next((self.out / "upscaler").rglob("*.safetensors"))
         steps = 4 if self.smoke else self.cfg.eval_steps
-        assemble_builtin_model(self.out / "unet_on", upscaler, self.data, builtin, steps)
+        assemble_builtin_model(
+            self.out / "unet_on", upscaler, self.data, builtin, steps, self.cfg.guidance_rescale
+        )
         record_kg_only_entities(self.data, builtin)
         self.timings["assemble"] = round(time.time() - start, 1)
 
@@ -435,17 +450,20 @@ class Chain:
         print("\n".join(rows), flush=True)
 
 
-def assemble_builtin_model(unet_dir: Path, upscaler: Path, data: Path, out: Path, steps: int) -> None:
+def assemble_builtin_model(
+    unet_dir: Path, upscaler: Path, data: Path, out: Path, steps: int, guidance_rescale: float = 0.0
+) -> None:
     """A trained model folder + an upscaler → the shippable fp16 folder at ``out``.
 
     The text tower keeps only the vocabulary kshapes uses (the other ~20,900 rows of the 21,128-token
     embedding were never trained): 5 MB less, identical outputs on that text. The folder records its
-    sampling defaults (``steps`` PNDM steps, guidance 7.5), which `rapiddiff generate` reads.
+    sampling defaults (``steps`` PNDM steps — DDIM for a zero-terminal-SNR U-Net —, guidance 7.5, CFG
+    rescale ``guidance_rescale``), which `rapiddiff generate` reads.
     """
     import torch
 
     from rapiddiff.models.bundle import load_model_folder, save_model_folder
-    from rapiddiff.models.sampling import SamplingDefaults
+    from rapiddiff.models.sampling import SamplingDefaults, default_sampler
     from rapiddiff.models.upscaler import load_upscaler
     from rapiddiff.models.vocab import prune_vocabulary
 
@@ -455,7 +473,11 @@ def assemble_builtin_model(unet_dir: Path, upscaler: Path, data: Path, out: Path
     files += [f for f in (data / "prompts_attribute.jsonl",) if f.exists()]
     texts = [json.loads(line)["text"] for file in files for line in file.open(encoding="utf-8")]
     print(f"[chain] vocabulary: {prune_vocabulary(bundle.text_encoder, texts)}", flush=True)
-    bundle.sampling = SamplingDefaults(num_inference_steps=steps, guidance_scale=7.5, scheduler="pndm")
+    # PNDM, or DDIM for a zero-terminal-SNR U-Net (PNDM cannot step from ᾱ_T = 0).
+    sampler = default_sampler(bundle.scheduler.config, "pndm")
+    bundle.sampling = SamplingDefaults(
+        num_inference_steps=steps, guidance_scale=7.5, scheduler=sampler, guidance_rescale=guidance_rescale
+    )
     save_model_folder(bundle, out)
 
 

@@ -382,7 +382,9 @@ class GraphDenoiser:
             plan = self.plan_for(job.scheduler, job.steps, job.start, not job.pure_noise)
             assert not isinstance(plan, str)
             start = job.noise if job.pure_noise else job.latents  # what row 0 of the plan's basis holds
-            loop = self._get_loop(plan, tuple(start.shape), tuple(context.shape), guidance, job.deep_cache)
+            loop = self._get_loop(
+                plan, tuple(start.shape), tuple(context.shape), guidance, job.deep_cache, job.guidance_rescale
+            )
 
             def attempt() -> tuple[torch.Tensor, torch.Tensor | None]:
                 with self._deep_cache(job.deep_cache):
@@ -433,8 +435,17 @@ class GraphDenoiser:
         context_shape: tuple,
         guidance: bool,
         deep_cache: int = 1,
+        guidance_rescale: float = 0.0,
     ) -> DenoiseLoop:
-        key = (noise_shape, context_shape, guidance, plan.num_evaluations, id(plan), deep_cache)
+        key = (
+            noise_shape,
+            context_shape,
+            guidance,
+            plan.num_evaluations,
+            id(plan),
+            deep_cache,
+            guidance_rescale,
+        )
         if key not in self._loops:
             while len(self._loops) >= max(1, self.config.max_graphs):
                 self._loops.pop(next(iter(self._loops)))  # oldest first; its graph pool is freed
@@ -468,6 +479,7 @@ class GraphDenoiser:
                 kv_fn=self._kv_fn if self.config.cross_kv_cache else None,
                 decode_fn=decode_fn,
                 graph=graph,
+                guidance_rescale=guidance_rescale,
             )
         return self._loops[key]
 

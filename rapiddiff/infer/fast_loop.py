@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rapiddiff.infer.fast_plan import ClippedDDIMPlan, LinearPlan, ddim_step
+from rapiddiff.models.sampling import rescale_guidance
 
 UNetFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
@@ -41,12 +42,14 @@ class DenoiseLoop:
         kv_fn: Callable[[torch.Tensor], Any] | None = None,
         decode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         graph: bool = False,
+        guidance_rescale: float = 0.0,
     ) -> None:
         if graph and device.type != "cuda":
             raise ValueError("graph=True needs a CUDA device")
         self.unet_fn, self.kv_fn, self.decode_fn = unet_fn, kv_fn, decode_fn
         self.noise_shape, self.guidance, self.model_dtype = noise_shape, guidance, model_dtype
         self.plan = plan
+        self.guidance_rescale = float(guidance_rescale)  # fixed per loop (a graph captures the branch)
         self.n = plan.num_evaluations
         numel = int(torch.Size(noise_shape).numel())
         f32 = torch.float32
@@ -98,6 +101,8 @@ class DenoiseLoop:
         if self.guidance:
             uncond, cond = out.chunk(2)
             out = uncond + self.scale * (cond - uncond)
+            if self.guidance_rescale > 0:
+                out = rescale_guidance(out, cond, self.guidance_rescale)
         return out
 
     def capture(self) -> None:

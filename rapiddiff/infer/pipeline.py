@@ -82,6 +82,7 @@ class DenoiseJob:
     inpaint: Inpaint | None = None
     progress: bool = False
     deep_cache: int = 1  # DeepCache interval: the whole U-Net every N evaluations (1 = exact)
+    guidance_rescale: float = 0.0  # CFG rescale φ (sampling.rescale_guidance); 0 = plain guidance
 
     def run(
         self,
@@ -122,6 +123,7 @@ class DenoiseJob:
                 inpaint=self.inpaint,
                 progress=self.progress,
                 on_step=on_step,
+                guidance_rescale=self.guidance_rescale,
             )
         return latents, sampling.decode(vae, latents) if decode else None
 
@@ -429,10 +431,12 @@ class RapidDiffusionPipeline:
         output_type: Literal["pil", "np", "pt", "latent"] = "pil",
         progress: bool = True,
         deep_cache: int = 1,
+        guidance_rescale: float | None = None,
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
-        ``num_inference_steps``, ``guidance_scale``, ``scheduler``: ``None`` takes the model
+        ``num_inference_steps``, ``guidance_scale``, ``scheduler``, ``guidance_rescale`` (CFG
+        rescale, :func:`rapiddiff.models.sampling.rescale_guidance`): ``None`` takes the model
         folder's sampling defaults (``self.sampling``). ``seed``: an int ``s`` gives image ``k``
         the seed ``s + k``; a list gives every image its own; ``None`` draws fresh seeds (returned
         in ``.seeds``). ``knowledge``: fuse the KnowledgeStore's facts into the text states
@@ -460,6 +464,9 @@ class RapidDiffusionPipeline:
         defaults = self.sampling
         steps = defaults.num_inference_steps if num_inference_steps is None else int(num_inference_steps)
         guidance = defaults.guidance_scale if guidance_scale is None else float(guidance_scale)
+        rescale = defaults.guidance_rescale if guidance_rescale is None else float(guidance_rescale)
+        if not 0.0 <= rescale <= 1.0:
+            raise ValueError(f"guidance_rescale must be in [0, 1], got {rescale}")
         sched_name = canonical_scheduler_name(scheduler or defaults.scheduler)
         if steps < 1:
             raise ValueError(f"num_inference_steps must be ≥ 1, got {steps}")
@@ -506,6 +513,8 @@ class RapidDiffusionPipeline:
             settings["knowledge_mode"] = knowledge_mode  # "text" / "both": --from-png must know it
         if deep_cache > 1:
             settings["deep_cache"] = deep_cache  # an approximation: --from-png must remake it too
+        if rescale and guidance > 1.0:
+            settings["guidance_rescale"] = rescale
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
@@ -542,6 +551,7 @@ class RapidDiffusionPipeline:
             inpaint=inpaint,
             progress=progress,
             deep_cache=deep_cache,
+            guidance_rescale=rescale,
         )
         latents, images = self.denoise(job, decode=output_type != "latent")
         times["denoise_decode"] = time.perf_counter() - t0

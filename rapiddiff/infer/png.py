@@ -150,6 +150,8 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
             kwargs[arg] = _checked_source(meta, key, where)
     if "strength" in meta:
         kwargs["strength"] = float(meta["strength"])
+    # Recorded only when on; an image without it was made with plain guidance.
+    kwargs["guidance_rescale"] = float(meta.get("guidance_rescale", 0.0))
     if meta.get("deep_cache"):  # an approximate image is remade with the same approximation
         kwargs["deep_cache"] = int(meta["deep_cache"])
     return kwargs

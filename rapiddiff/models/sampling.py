@@ -54,11 +54,48 @@ def canonical_scheduler_name(name: str) -> str:
     return key
 
 
+# Samplers whose diffusers class reads ``rescale_betas_zero_snr`` (PNDM ignores the key, and its
+# update divides by √ᾱ_t, which is 0 at the last timestep of a zero-terminal-SNR schedule).
+ZERO_SNR_SAMPLERS = ("ddim", "dpm++")
+
+
+def zero_terminal_snr(config: Any) -> bool:
+    """Whether a scheduler config is a zero-terminal-SNR schedule (Lin et al. 2024: the betas
+    rescaled so that ᾱ_T = 0, the last timestep pure noise; diffusers' ``rescale_betas_zero_snr``)."""
+    return bool(dict(config).get("rescale_betas_zero_snr", False))
+
+
+def zero_terminal_snr_config(config: Any) -> dict[str, Any]:
+    """``config`` made a zero-terminal-SNR schedule as Lin et al. 2024 sample it: the betas rescaled
+    (diffusers' ``rescale_zero_terminal_snr``, applied by the scheduler from the flag), timesteps
+    spaced ``trailing`` so that sampling starts at t = T, where the image's mean is no longer
+    leaked by the noise, and no x0 clipping (latents are not in [-1, 1]). Needs v-prediction:
+    an ε-prediction gives no x0 at ᾱ_T = 0."""
+    out = dict(config)
+    # steps_offset stays: trailing spacing does not read it (and diffusers' pipeline warns on 0).
+    out.update(rescale_betas_zero_snr=True, timestep_spacing="trailing", clip_sample=False)
+    return out
+
+
+def default_sampler(config: Any, name: str) -> str:
+    """``name``, or DDIM where ``name`` is PNDM and the schedule has zero terminal SNR (PNDM cannot
+    step from ᾱ_T = 0): the sampler a model folder's defaults name for its schedule."""
+    name = canonical_scheduler_name(name)
+    return "ddim" if name not in ZERO_SNR_SAMPLERS and zero_terminal_snr(config) else name
+
+
 def make_scheduler(name: str, config: Any) -> Any:
     """A fresh diffusers scheduler of the named kind, on the noise schedule in ``config``."""
     import diffusers
 
-    return getattr(diffusers, SCHEDULERS[canonical_scheduler_name(name)]).from_config(config)
+    key = canonical_scheduler_name(name)
+    if zero_terminal_snr(config) and key not in ZERO_SNR_SAMPLERS:
+        raise ValueError(
+            f"sampler {key!r} cannot sample this model: its noise schedule has zero terminal SNR "
+            f"(scheduler config rescale_betas_zero_snr: true), which {SCHEDULERS[key]} ignores and "
+            f"cannot step from; choose one of: {', '.join(ZERO_SNR_SAMPLERS)}"
+        )
+    return getattr(diffusers, SCHEDULERS[key]).from_config(config)
 
 
 # ------------------------------------------------------------------------------- the defaults
@@ -76,6 +113,10 @@ class SamplingDefaults:
     """Classifier-free guidance scale; ≤ 1 turns guidance off."""
     scheduler: str = "pndm"
     """Sampler: pndm, ddim or dpm++."""
+    guidance_rescale: float = 0.0
+    """CFG rescale φ (Lin et al. 2024, §3.4): the guided output's std pulled back to the text
+    branch's by this fraction; 0 is plain guidance. 0.7 is the paper's value for a zero-terminal-SNR
+    model, whose strong guidance otherwise over-saturates."""
 
     def __post_init__(self) -> None:
         steps = self.num_inference_steps
@@ -85,6 +126,10 @@ class SamplingDefaults:
             raise ValueError(f"guidance_scale must be a number, got {self.guidance_scale!r}")
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler must be a name ({', '.join(SCHEDULERS)}), got {self.scheduler!r}")
+        rescale = self.guidance_rescale
+        if isinstance(rescale, bool) or not isinstance(rescale, int | float) or not 0.0 <= rescale <= 1.0:
+            raise ValueError(f"guidance_rescale must be a number in [0, 1], got {rescale!r}")
+        object.__setattr__(self, "guidance_rescale", float(rescale))
         object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
         object.__setattr__(self, "scheduler", canonical_scheduler_name(self.scheduler))
 
@@ -235,6 +280,15 @@ def step_kwargs(scheduler: Any, gens: Sequence[torch.Generator], eta: float) -> 
     return kwargs
 
 
+def rescale_guidance(guided: torch.Tensor, text: torch.Tensor, phi: float) -> torch.Tensor:
+    """CFG rescale (Lin et al. 2024, Alg. 2; diffusers' ``rescale_noise_cfg``): scale each guided
+    output [N, C, h, w] to the std of its text-conditioned output, then mix ``phi`` of that with
+    ``1 - phi`` of the plain guided output."""
+    dims = tuple(range(1, guided.ndim))
+    rescaled = guided * (text.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
+    return phi * rescaled + (1 - phi) * guided
+
+
 def denoise(
     model: ModelFn,
     latents: torch.Tensor,
@@ -248,8 +302,10 @@ def denoise(
     inpaint: Inpaint | None = None,
     progress: bool = False,
     on_step: Callable[[int], None] | None = None,
+    guidance_rescale: float = 0.0,
 ) -> torch.Tensor:
-    """The denoising loop: for each t, ε = model(x_t, t, text); CFG; x_{t-1} = scheduler.step.
+    """The denoising loop: for each t, ε = model(x_t, t, text); CFG (and its rescale
+    :func:`rescale_guidance` when ``guidance_rescale`` > 0); x_{t-1} = scheduler.step.
 
     ``latents`` [N, C, h, w] are the start (noise × init_noise_sigma, or the noised image);
     ``cond``/``uncond`` [N, L, D] one row per latent, ``uncond=None`` means no guidance;
@@ -279,6 +335,8 @@ def denoise(
         if guided:
             out_uncond, out_text = out.chunk(2)
             out = out_uncond + guidance_scale * (out_text - out_uncond)
+            if guidance_rescale > 0:
+                out = rescale_guidance(out, out_text, guidance_rescale)
         latents = scheduler.step(out, t, latents, **kwargs, return_dict=False)[0]
         if inpaint is not None and not inpaint.concat:
             # Keep the known region: the init image noised to the next step's level.
@@ -301,21 +359,26 @@ def decode(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "SCHEDULERS",
+    "ZERO_SNR_SAMPLERS",
     "Inpaint",
     "SamplingDefaults",
     "canonical_scheduler_name",
     "check_size",
     "decode",
+    "default_sampler",
     "default_size",
     "denoise",
     "draw_noise",
     "encode_images",
     "generators",
     "make_scheduler",
+    "rescale_guidance",
     "scheduler_choices",
     "size_multiple",
     "step_kwargs",
     "timesteps_for_strength",
     "unet_model",
     "vae_scale_factor",
+    "zero_terminal_snr",
+    "zero_terminal_snr_config",
 ]

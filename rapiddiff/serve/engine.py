@@ -207,6 +207,10 @@ def plan_calls(rows: int, buckets: list[int], seconds: dict[int, float] | None =
 
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
     from rapiddiff.infer.pipeline import scheduler_choices
+    from rapiddiff.models.sampling import default_sampler
+
+    def usable(name: str, schedule: Any) -> bool:
+        return default_sampler(schedule, name) == name
 
     # The folder's rapiddiff.json "sampling" over the library's defaults, as the pipeline read it.
     defaults = pipe.sampling.to_dict()
@@ -223,7 +227,8 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
         default_size=pipe.default_size,
         size_multiple=pipe.size_multiple,
         max_tokens=int(encoder.max_length),
-        schedulers=tuple(scheduler_choices()),
+        # A zero-terminal-SNR model: only the samplers that can step from ᾱ_T = 0 (a clear 400 for pndm).
+        schedulers=tuple(s for s in scheduler_choices() if usable(s, pipe.scheduler.config)),
         has_upscaler=pipe.upscaler is not None,
         defaults=defaults,
         pipeline_kwargs=frozenset(inspect.signature(pipe.__call__).parameters),

@@ -112,6 +112,8 @@ class FineTune(LatentDiffusion):
             **kwargs,
         )
         self.mode, self.lora_cfg, self.pretrained = mode, lora, pretrained
+        # The resolved folder, not "builtin": export reads its upscaler/ and sampling defaults from it.
+        self.hparams["pretrained"] = pretrained
         if mode == "lora":
             self._add_adapters(list(trainable), lora)
             self.ema = self._make_ema(ema)

@@ -13,6 +13,7 @@ modules train, latent caching, and the speed switches of :mod:`rapiddiff.train.s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapiddiff.models.sampling import SamplingDefaults
+from rapiddiff.models.sampling import SamplingDefaults, default_sampler, zero_terminal_snr_config
 from rapiddiff.train.common import (
     FrozenGC,
     OptimConfig,
@@ -59,6 +60,12 @@ class DiffusionLoss:
     """Min-SNR weighting (Hang et al. 2023), 5.0 is the paper's value; None = plain MSE."""
     noise_offset: float = 0.0
     """Add offset × N(0, 1) per image and channel to the noise: darker/brighter images (~0.05)."""
+    zero_terminal_snr: bool = False
+    """Rescale the noise schedule to zero terminal SNR (Lin et al. 2024): the last timestep is pure
+    noise, so the model learns to set an image's overall colour (its background) from the text
+    instead of from what the noise leaks. Needs prediction_type v_prediction. The model folder's
+    scheduler becomes DDIM with trailing timesteps (PNDM cannot step from ᾱ_T = 0). False keeps
+    the start model's schedule (a zero-SNR model stays one)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.caption_dropout <= 1.0:
@@ -169,16 +176,13 @@ class LatentDiffusion(RapidModule):
             fusion_layers=list(fusion_layers),
         )
         self.unet, self.vae, self.text_encoder = parts["unet"], parts["vae"], parts["text_encoder"]
-        self.scheduler_config = dict(parts["scheduler_config"])
-        if loss.prediction_type is not None:
-            self.scheduler_config["prediction_type"] = loss.prediction_type
+        self.scheduler_config = training_schedule(parts["scheduler_config"], loss)
         from diffusers import DDPMScheduler
 
-        # The forward process of training: the model folder's betas, DDPM's add_noise/get_velocity.
+        # The forward process of training: the model folder's betas (rescaled to zero terminal
+        # SNR when the config says so: DDPMScheduler reads the flag), DDPM's add_noise/get_velocity.
         self.noise_scheduler = DDPMScheduler.from_config(self.scheduler_config)
         self.prediction_type = self.noise_scheduler.config.prediction_type
-        if self.prediction_type not in ("epsilon", "v_prediction"):
-            raise ValueError(f"prediction_type {self.prediction_type!r}: use epsilon or v_prediction")
         self._check_widths()
         self.trained = self._select_trainable(list(trainable))
         apply_speedups(self.unet, speed)
@@ -490,8 +494,15 @@ class LatentDiffusion(RapidModule):
         from diffusers.training_utils import compute_snr
 
         snr = compute_snr(self.noise_scheduler, timesteps)
-        weights = snr.clamp(max=self.loss_cfg.snr_gamma)
-        weights = weights / (snr + 1) if self.prediction_type == "v_prediction" else weights / snr
+        if self.prediction_type != "v_prediction":
+            weights = snr.clamp(max=self.loss_cfg.snr_gamma) / snr
+        elif self.noise_scheduler.config.get("rescale_betas_zero_snr", False):
+            # min(SNR + 1, γ) / (SNR + 1), diffusers' earlier v form: the terminal step (SNR 0,
+            # where v = -x0 must come from the text alone) keeps weight 1. The form below gives it
+            # min(0, γ) / 1 = 0, leaving the very step sampling starts from untrained.
+            weights = (snr + 1).clamp(max=self.loss_cfg.snr_gamma) / (snr + 1)
+        else:
+            weights = snr.clamp(max=self.loss_cfg.snr_gamma) / (snr + 1)
         per_image = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return (per_image * weights).mean()
 
@@ -638,7 +649,8 @@ class LatentDiffusion(RapidModule):
         return SamplingDefaults(
             num_inference_steps=s.num_inference_steps or base.num_inference_steps,
             guidance_scale=base.guidance_scale if s.guidance_scale is None else s.guidance_scale,
-            scheduler=s.scheduler or base.scheduler,
+            # A base's PNDM becomes DDIM on a zero-terminal-SNR schedule (PNDM cannot sample it).
+            scheduler=s.scheduler or default_sampler(self.scheduler_config, base.scheduler),
         )
 
     @torch.no_grad()
@@ -702,10 +714,15 @@ class LatentDiffusion(RapidModule):
         # A fine-tune keeps its base's defaults (tuned for it); a model trained from scratch gets the grids'.
         pretrained = self.hparams.get("pretrained")
         defaults = (read_sampling(pretrained) if pretrained else None) or self.sampling_defaults()
+        sampler = default_sampler(self.scheduler_config, defaults.scheduler)
+        if sampler != defaults.scheduler:
+            log.info("export: sampler %s → %s (zero-terminal-SNR schedule)", defaults.scheduler, sampler)
+            defaults = dataclasses.replace(defaults, scheduler=sampler)
         bundle = ModelBundle(
             unet,
             self.vae,
-            make_scheduler("pndm", self.scheduler_config),
+            # The folder's scheduler class: diffusers' pipelines sample with it as they find it.
+            make_scheduler(default_sampler(self.scheduler_config, "pndm"), self.scheduler_config),
             self.text_encoder,
             upscaler=self._base_upscaler(),
             sampling=defaults,
@@ -725,6 +742,28 @@ class LatentDiffusion(RapidModule):
         from rapiddiff.models.upscaler import load_upscaler
 
         return load_upscaler(folder)
+
+
+def training_schedule(config: Any, loss: DiffusionLoss) -> dict[str, Any]:
+    """The start model's scheduler config with the loss's prediction type and schedule applied;
+    raises when the two do not fit (ε-prediction on a zero-terminal-SNR schedule)."""
+    from rapiddiff.models.sampling import zero_terminal_snr
+
+    out = dict(config)
+    if loss.prediction_type is not None:
+        out["prediction_type"] = loss.prediction_type
+    if loss.zero_terminal_snr:
+        out = zero_terminal_snr_config(out)
+    prediction = out.get("prediction_type", "epsilon")
+    if prediction not in ("epsilon", "v_prediction"):
+        raise ValueError(f"prediction_type {prediction!r}: use epsilon or v_prediction")
+    if zero_terminal_snr(out) and prediction != "v_prediction":
+        raise ValueError(
+            "a zero-terminal-SNR schedule (model.loss.zero_terminal_snr, or a start model trained with "
+            "one) needs model.loss.prediction_type: v_prediction — at the last timestep x_T is pure "
+            "noise, so an ε-prediction says nothing about the image (and min-SNR weights divide by 0)"
+        )
+    return out
 
 
 def _plain_name(name: str) -> str:

@@ -103,3 +103,13 @@ def test_lora_refuses_fused_qkv(tmp_path: Path) -> None:
 def test_merge_names_a_missing_lora(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="pytorch_lora_weights"):
         finetune.merge_lora(tmp_path, tmp_path, tmp_path / "out")
+
+
+def test_builtin_start_carries_its_upscaler_and_defaults_into_the_export() -> None:
+    """``pretrained: builtin`` is resolved before export reads the start folder's upscaler/ and
+    rapiddiff.json (it once looked for a folder named "builtin" and exported without an upscaler)."""
+    from rapiddiff.models.bundle import builtin_model_dir
+
+    module = finetune.FineTune(pretrained="builtin", mode="full", ema=None)
+    assert module.hparams["pretrained"] == str(builtin_model_dir())
+    assert module._base_upscaler() is not None
