@@ -25,7 +25,7 @@ SEEDS = (0, 1, 2)
 # Measured on CPU at these seeds (2026-11-23, the chain's seed-1 model in its shipped knowledge mode
 # "both"): seen 21 of 36, held-out 25 of 45; mode "embed" 15 and 10; knowledge off 2 and 3.
 MIN_BOTH = {"seen": 12, "heldout": 15}
-STEPS = 20  # PNDM; fewer leaves the colours of this small model unsettled (10 steps: ~1 in 3 right)
+STEPS = 20  # PNDM (the shipped model's sampler); fewer leaves the colours of this small model unsettled (10 steps: ~1 in 3 right)
 
 
 def _model_dir() -> Path:
@@ -92,14 +92,16 @@ def test_entities_are_drawn_with_their_kg_colour_and_shape(pipe, split):
     _model_dir()  # fails with a clear message when the model is missing
     names = _split_entities(pipe, split)
     prompts = [f"{BACKGROUND}背景上有一个{name}" for name in names for _ in SEEDS]
-    # Guidance as `rapiddiff generate` uses it: the model folder's own, else the CLI's.
-    guidance = {**DEFAULT_SAMPLING, **model_sampling_defaults(pipe.model_path)}["guidance_scale"]
+    # Guidance and sampler as `rapiddiff generate` uses them: the model folder's own, else the CLI's
+    # (a zero-terminal-SNR model samples with DDIM; PNDM cannot).
+    sampling = {**DEFAULT_SAMPLING, **model_sampling_defaults(pipe.model_path)}
+    guidance = sampling["guidance_scale"]
     out = pipe(
         prompts,
         num_inference_steps=STEPS,
         guidance_scale=guidance,
         seed=[s for _ in names for s in SEEDS],
-        scheduler="pndm",
+        scheduler=sampling["scheduler"],
         progress=False,
     )
     assert out.metadata[0]["knowledge"] is True
