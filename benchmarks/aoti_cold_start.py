@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPT = "a red tomato on a blue table, studio light"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +69,7 @@ def child(spec: dict[str, Any]) -> None:
     import torch
 
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
+    from rapiddiff.infer.bench import first_then_steady  # the prompt and timing of bench's second process
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 
     imported = time.time()  # torch, diffusers, transformers, rapiddiff
@@ -88,21 +88,9 @@ def child(spec: dict[str, Any]) -> None:
         config.loop = "resident"
     fast = accelerate(pipe, config)
     accelerated = time.time()
-    kw = {
-        "num_inference_steps": spec["steps"],
-        "guidance_scale": spec["guidance"],
-        "seed": 0,
-        "output_type": "np",
-        "progress": False,
-    }
-    out = fast([PROMPT], **kw)
-    first = time.time()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fast([PROMPT], **kw)
-        times.append(time.perf_counter() - t0)
-    e2e = statistics.median(times)
+    out, first, full_speed, e2e = first_then_steady(
+        fast, steps=spec["steps"], guidance=spec["guidance"], seed=0
+    )
     torch.save({"latents": out.latents.cpu(), "image": torch.from_numpy(out.images[0])}, spec["result"])
     from torch._dynamo.utils import counters
 
@@ -113,7 +101,7 @@ def child(spec: dict[str, Any]) -> None:
                 "loaded_at": loaded,
                 "accelerated_at": accelerated,
                 "first_image_at": first,
-                "full_speed_at": first + times[0],
+                "full_speed_at": full_speed,
                 "e2e_s": e2e,
                 "it_s": spec["steps"] / e2e,
                 "report": {k: v for k, v in fast.report.items() if k.startswith(("aoti", "compile", "loop"))},

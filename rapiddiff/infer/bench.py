@@ -336,6 +336,29 @@ def second_process(cfg: BenchConfig, cache: str, log_path: Path | None = None) -
     return result
 
 
+def first_then_steady(
+    fast: Any, *, steps: int, guidance: float, seed: int, runs: int = 5
+) -> tuple[Any, float, float, float]:
+    """A new process's first image (it compiles or loads), then ``runs`` more: (the first image's
+    output, the wall-clock times the first and the second image ended, the median seconds an image
+    at full speed)."""
+    kw = {
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "seed": seed,
+        "output_type": "np",
+        "progress": False,
+    }
+    out = fast([PROMPT], **kw)
+    first = time.time()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fast([PROMPT], **kw)
+        times.append(time.perf_counter() - t0)
+    return out, first, first + times[0], sorted(times)[len(times) // 2]
+
+
 def _child(spec: str) -> None:
     """The second process: build, accelerate with the cache, report when it reaches full speed."""
     imported = time.time()
@@ -349,28 +372,14 @@ def _child(spec: str) -> None:
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
 
     fast = accelerate(pipe, AccelerateConfig(dtype=cfg.dtype, compile_cache=cache))
-    kw = {
-        "num_inference_steps": cfg.steps,
-        "guidance_scale": cfg.guidance,
-        "seed": cfg.seed,
-        "output_type": "np",
-        "progress": False,
-    }
-    fast([PROMPT], **kw)
-    first = time.time()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fast([PROMPT], **kw)
-        times.append(time.perf_counter() - t0)
-    e2e = sorted(times)[len(times) // 2]
+    _, first, full_speed, e2e = first_then_steady(fast, steps=cfg.steps, guidance=cfg.guidance, seed=cfg.seed)
     from torch._dynamo.utils import counters
 
     report = {
         "imported_at": imported,
         "built_at": built,
         "first_image_at": first,
-        "full_speed_at": first + times[0],
+        "full_speed_at": full_speed,
         "e2e_s": e2e,
         "it_s": cfg.steps / e2e,
         "cache": fast.report.get("compile_cache", ""),
