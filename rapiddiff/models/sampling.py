@@ -281,12 +281,14 @@ def step_kwargs(scheduler: Any, gens: Sequence[torch.Generator], eta: float) -> 
 
 
 def rescale_guidance(guided: torch.Tensor, text: torch.Tensor, phi: float) -> torch.Tensor:
-    """CFG rescale (Lin et al. 2024, Alg. 2; diffusers' ``rescale_noise_cfg``): scale each guided
-    output [N, C, h, w] to the std of its text-conditioned output, then mix ``phi`` of that with
-    ``1 - phi`` of the plain guided output."""
-    dims = tuple(range(1, guided.ndim))
-    rescaled = guided * (text.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
-    return phi * rescaled + (1 - phi) * guided
+    """CFG rescale (Lin et al. 2024, Alg. 2): scale each guided output [N, C, h, w] to the std of its
+    text-conditioned output, then mix ``phi`` of that with ``1 - phi`` of the plain guided output.
+    diffusers' own ``rescale_noise_cfg``, imported from its module alone (the ``diffusers.guiders``
+    package ``__init__`` imports every guider)."""
+    from rapiddiff.utils.imports import import_module
+
+    utils = import_module("diffusers.guiders.guider_utils", defer=("diffusers.guiders",))
+    return utils.rescale_noise_cfg(guided, text, guidance_rescale=phi)
 
 
 def denoise(
