@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +159,17 @@ class PoisonWeights(Callback):
                 for p in pl_module.parameters():
                     if p.requires_grad:
                         p.fill_(float("nan"))
+
+
+def launch_train_unet(cwd: Path, argv: list[str], timeout: int = 400) -> subprocess.CompletedProcess[str]:
+    """`python -m rapiddiff train unet ARGV` in a new process, as a user launches it (DDP/FSDP need
+    their own processes); one OpenMP thread each, this tree on the path. Returns the finished run."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "rapiddiff", "train", "unet", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import REPO, tiny_unet_args, write_imagefolder
+from tests.train.helpers import launch_train_unet, tiny_unet_args, write_imagefolder
 
 
 @pytest.mark.slow
@@ -22,15 +19,7 @@ def test_unet_trains_with_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
         "--trainer.devices=2",
         "--trainer.logger=false",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "rapiddiff", "train", "unet", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = launch_train_unet(tmp_path, args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (root / "checkpoints" / "step=0000002.ckpt").is_file()
     assert (root / "model" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
@@ -54,15 +43,7 @@ def test_a_nan_on_one_rank_stops_both_at_the_deferred_check(tmp_path: Path) -> N
         "--trainer.callbacks.step=1",
         "--trainer.callbacks.rank=0",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "rapiddiff", "train", "unet", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = launch_train_unet(tmp_path, args, timeout=300)
     assert result.returncode != 0
     assert "at step 1" in result.stderr, result.stderr[-3000:]
     assert sorted(p.name for p in (root / "checkpoints").glob("step=*.ckpt")) == ["step=0000001.ckpt"]

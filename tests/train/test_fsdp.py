@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rapiddiff.train import unet as unet_stage
-from tests.train.helpers import REPO, tiny_unet_args, write_imagefolder
+from tests.train.helpers import launch_train_unet, tiny_unet_args, write_imagefolder
 
 
 def _store(path: Path) -> Path:
@@ -61,7 +58,6 @@ def test_fsdp_trains_checkpoints_resumes_and_exports_on_two_cpu_processes(tmp_pa
     data = write_imagefolder(tmp_path / "data", n=8)
     store = _store(tmp_path / "kg")
     root = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
     def train(steps: int, *extra: str) -> None:
         args = [
@@ -76,14 +72,7 @@ def test_fsdp_trains_checkpoints_resumes_and_exports_on_two_cpu_processes(tmp_pa
             "--samples.at_end=false",
             *extra,
         ]
-        result = subprocess.run(
-            [sys.executable, "-m", "rapiddiff", "train", "unet", *args],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
+        result = launch_train_unet(tmp_path, args)
         assert result.returncode == 0, result.stderr[-3000:]
 
     train(2)

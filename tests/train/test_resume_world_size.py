@@ -15,9 +15,6 @@ gloo in this torch and is checked the same way (2 processes write, 1 FSDP proces
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ from PIL import Image
 from pytorch_lightning.callbacks import Callback
 
 from rapiddiff.train import unet as unet_stage
-from tests.train.helpers import REPO, tiny_unet_args, write_imagefolder
+from tests.train.helpers import launch_train_unet, tiny_unet_args, write_imagefolder
 
 N_IMAGES, BATCH = 8, 2  # 2 processes: 2 batches an epoch each; 1 process: 4
 
@@ -120,15 +117,7 @@ def run_args(data: Path, root: Path, steps: int, record: Path, *extra: str) -> l
 
 def launch(cwd: Path, argv: list[str]) -> None:
     """`python -m rapiddiff train unet ARGV` as a user launches it (several processes need their own)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "rapiddiff", "train", "unet", *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    result = launch_train_unet(cwd, argv)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
