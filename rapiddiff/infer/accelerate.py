@@ -441,6 +441,8 @@ class GraphDenoiser:
                 "gemm": "Triton GEMM templates vs cuBLAS (1×1 convolutions included); k×k convolutions on cuDNN",
                 "all": "Triton convolution and GEMM templates vs cuDNN/cuBLAS",
             }[mode]
+            if self.device.type != "cuda":  # Inductor's templates are Triton (GPU) kernels
+                what = f"no Triton templates on {self.device.type}: the same ATen kernels as off"
             parts = [n for n, m in (("U-Net", cfg.compile_unet), ("decoder", cfg.compile_vae)) if m]
             self._set("autotune", f"{mode} (Inductor max-autotune at first call: {what}; {', '.join(parts)})")
 

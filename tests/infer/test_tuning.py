@@ -261,6 +261,7 @@ def test_tuned_variant_row_on_cpu(tmp_path):
     rows = {r["variant"]: r for r in run_bench(cfg)["rows"]}
     row = rows["rapiddiff+cudnn_benchmark,cross_kv_cache=false"]
     assert row["latent_rel_err"] < 1e-4 and row["psnr_db"] > 35 and row["it_s"] > 0
+    assert row["note"].startswith("own thread (empty cuDNN plan cache); ")
     assert "cudnn_benchmark=fallback: off (cuDNN needs a CUDA device" in row["note"]
     assert "cross_kv_cache" not in row["note"]  # off: the note lists what is not off
 
