@@ -117,9 +117,10 @@ class AccelerateConfig:
     :func:`cudnn_benchmark_flag`)."""
     autotune: str = "off"
     """Inductor max-autotune for the compiled U-Net and VAE decoder, restricted to: "convs"
-    (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS;
-    1×1 convolutions count as matrix products to Inductor), "all" (both), or "off". A per-compile
-    config patch (:func:`autotune_options`), never Inductor's CUDA-graph modes."""
+    (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS),
+    "all" (both), or "off". A per-compile config patch (:func:`autotune_options`), never Inductor's
+    CUDA-graph modes. In every mode Inductor lowers channels-last 1×1 convolutions as matrix
+    products (tuned under "gemm"/"all", ATen's under "convs")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
