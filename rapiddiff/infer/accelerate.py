@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+AUTOTUNE_MODES = ("off", "convs", "gemm", "all")
 LOOPS = ("graph", "resident", "eager")
 # compile_regions: the U-Net's repeated blocks (diffusers' _repeated_blocks names only the first).
 REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
@@ -108,6 +110,17 @@ class AccelerateConfig:
     stale package (minutes), then load it — what ``rapiddiff accelerate export`` does."""
     aoti_dir: str | None = None
     """Folder of the packages; None: ``<the pipeline's model folder>/accelerated``."""
+    cudnn_benchmark: bool = False
+    """cuDNN picks each convolution's algorithm by timing (``torch.backends.cudnn.benchmark``)
+    during the warm-up run before the loop graph is captured; the capture and the replays use
+    the picked plans. The global flag is set only inside the fast path's calls (see
+    :func:`cudnn_benchmark_flag`)."""
+    autotune: str = "off"
+    """Inductor max-autotune for the compiled U-Net and VAE decoder, restricted to: "convs"
+    (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS),
+    "all" (both), or "off". A per-compile config patch (:func:`autotune_options`), never Inductor's
+    CUDA-graph modes. In every mode Inductor lowers channels-last 1×1 convolutions as matrix
+    products (tuned under "gemm"/"all", ATen's under "convs")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
@@ -123,6 +136,10 @@ class AccelerateConfig:
             raise ValueError(f"loop must be one of {', '.join(LOOPS)}; got {self.loop!r}")
         if self.aoti not in fast_aoti.MODES:
             raise ValueError(f"aoti must be one of {', '.join(fast_aoti.MODES)}; got {self.aoti!r}")
+        if self.autotune not in AUTOTUNE_MODES:
+            raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {self.autotune!r}")
+        if not isinstance(self.cudnn_benchmark, bool):
+            raise ValueError(f"cudnn_benchmark must be true or false; got {self.cudnn_benchmark!r}")
 
     @classmethod
     def off(cls, **overrides: Any) -> AccelerateConfig:
@@ -138,6 +155,107 @@ class AccelerateConfig:
             loop="eager",
         )
         return cls(**{**asdict(base), **overrides})
+
+
+def autotune_options(mode: str) -> dict[str, Any]:
+    """Inductor config entries for ``AccelerateConfig.autotune`` ({} for "off"): torch.compile's
+    ``options`` for the U-Net and decoder (merged with the compile mode's own) and the AOTInductor
+    build's ``inductor_configs``; a per-compile patch, nothing global.
+
+    ``max_autotune_gemm`` turns on template autotuning (matrix products and convolutions) without
+    ``max_autotune``'s pointwise/reduction tuning or CUDA graphs. Inductor offers its Triton
+    convolution template only when TRITON is also a GEMM backend, so "convs" lists it there too and
+    keeps the GEMMs on ATen with :func:`gemms_on_aten` around the compiling calls. That filter is not
+    an Inductor config entry, so "convs" writes its convolution backends in the other order: the
+    same choices, a different Inductor cache key, and "all"'s cached graphs are never reused for it.
+    """
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {mode!r}")
+    if mode == "off":
+        return {}
+    convs = {"convs": "TRITON,ATEN", "gemm": "ATEN", "all": "ATEN,TRITON"}[mode]
+    return {
+        "max_autotune_gemm": True,
+        "max_autotune_gemm_backends": "ATEN,TRITON",
+        "max_autotune_conv_backends": convs,
+    }
+
+
+@functools.cache
+def _aten_gemm_choices() -> Any:
+    """An InductorChoices that drops every template but ATen's from the matrix-product lowerings
+    (mm, addmm, bmm, ...); None where this torch has no such hook."""
+    try:
+        from torch._inductor.choices import InductorChoices
+        from torch._inductor.select_algorithm import ExternKernelChoice
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return None
+    if not hasattr(InductorChoices, "get_template_configs") or not hasattr(V, "set_choices_handler"):
+        return None
+
+    class AtenGemms(InductorChoices):
+        dropped = 0  # GEMM templates kept out so far (the report shows the filter at work)
+
+        def get_template_configs(
+            self, kernel_inputs: Any, templates: Any, op_name: str, *args: Any, **kw: Any
+        ) -> Any:
+            if "conv" not in op_name:
+                # A lowering may ask for its ATen and its Triton choices in separate calls (addmm
+                # does): drop every template, each call keeps only its ATen kernels.
+                kept = [t for t in templates if isinstance(t, ExternKernelChoice)]
+                type(self).dropped += len(templates) - len(kept)
+                templates = kept
+            return super().get_template_configs(kernel_inputs, templates, op_name, *args, **kw)
+
+        def uuid(self) -> str:  # Inductor's cache-key hook for custom choices
+            return "rapiddiff-aten-gemms-1"
+
+    return AtenGemms
+
+
+def gemms_on_aten() -> contextlib.AbstractContextManager[None]:
+    """While active (in this thread), Inductor lowers matrix products to ATen kernels only: the GEMM
+    half of autotune="convs". Raises RuntimeError where this torch lacks the hook."""
+    cls = _aten_gemm_choices()
+    if cls is None:
+        raise RuntimeError("this torch has no InductorChoices.get_template_configs hook")
+    from torch._inductor.virtualized import V
+
+    return V.set_choices_handler(cls())
+
+
+@contextlib.contextmanager
+def cudnn_benchmark_flag(on: bool = True) -> Any:
+    """``torch.backends.cudnn.benchmark = on`` for the block, the previous value restored after.
+
+    Restoring is safe for what was chosen inside: cuDNN's v8 API (aten/src/ATen/native/cudnn/
+    Conv_v8.cpp, ``run_single_conv``) looks a convolution up in its plan cache *before* it reads the
+    flag, and the key is the convolution's parameters (shapes, strides, dtype, memory format,
+    alignment, deterministic, allow_tf32) — not the flag. A plan picked by timing is therefore used
+    by every later call with that key, benchmark on or off, the graph capture included (which must
+    not time anything). Two consequences: the cache is thread-local, and a key already planned by
+    heuristics in this thread keeps that plan (turning the flag on later times nothing).
+    """
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def compile_cache_file(path: str, config: AccelerateConfig) -> str:
+    """The compile-cache file for ``config``: ``path`` itself with the tuning switches off, else with
+    them in its name (``cache.bin`` → ``cache.autotune-convs.cudnn-benchmark.bin``), so a process never
+    takes a cache written under other switches for its own (it would load, miss, and never be rewritten)."""
+    tags = [f"autotune-{config.autotune}"] if config.autotune != "off" else []
+    if config.cudnn_benchmark:
+        tags.append("cudnn-benchmark")
+    if not tags:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{'.'.join(tags)}{p.suffix}"))
 
 
 def accelerate(pipe: Any, config: AccelerateConfig | None = None, **switches: Any) -> RapidDiffusionPipeline:
@@ -179,6 +297,11 @@ class GraphDenoiser:
         self._plans: dict[tuple, LinearPlan | ClippedDDIMPlan | str] = {}
         self._eager_reasons: set[str] = set()
         self._cache_state = "none"
+        self._cache_path = compile_cache_file(config.compile_cache, config) if config.compile_cache else None
+        self._cudnn_benchmark = False  # on where it applies (CUDA with cuDNN's plan cache)
+        self._autotune: dict[str, Any] = {}  # Inductor options the U-Net/decoder compile with
+        self._gemm_filter = False  # autotune="convs": GEMMs kept on ATen while compiling
+        self._gemm_dropped = 0
         self._aoti: fast_aoti.PackageStore | None = None
         self._aoti_calls: dict[str, Any] = {}  # part + key fields → loaded package (or None: fall back)
         self._apply()
@@ -193,11 +316,11 @@ class GraphDenoiser:
 
     def _apply(self) -> None:
         cfg, cuda = self.config, self.device.type == "cuda"
-        if cfg.compile_cache:
-            self._cache_state = load_compile_cache(cfg.compile_cache)
+        if self._cache_path:
+            self._cache_state = load_compile_cache(self._cache_path)
             # The attention backends are part of the traced graph: reuse the ones the cache was
             # compiled with, or a re-timed (noisy) choice would change the graph and miss the cache.
-            self._backends.update(load_backend_table(cfg.compile_cache))
+            self._backends.update(load_backend_table(self._cache_path))
             self._set("compile_cache", self._cache_state)
         if cfg.dtype is not None and not cuda and cfg.dtype != "float32":
             self._set(
@@ -240,6 +363,7 @@ class GraphDenoiser:
         else:
             self._set("fp8", "off")
 
+        self._setup_tuning()
         self._compile()
 
         if cfg.loop == "graph" and not cuda:
@@ -269,6 +393,86 @@ class GraphDenoiser:
             weights_root = Path(model_path) if model_path else None
             self._aoti = fast_aoti.PackageStore(Path(folder), weights_root, cfg.aoti)
             self._set("aoti", f"{cfg.aoti} ({folder}; per shape at first use)")
+
+    def _setup_tuning(self) -> None:
+        """cudnn_benchmark and autotune: decide what applies here (both act at first call)."""
+        cfg = self.config
+        lru = os.environ.get("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "").strip()
+        if not cfg.cudnn_benchmark:
+            self._set("cudnn_benchmark", "off")
+        elif self.device.type != "cuda" or not torch.backends.cudnn.is_available():
+            self._set(
+                "cudnn_benchmark", f"fallback: off (cuDNN needs a CUDA device; this is {self.device.type})"
+            )
+        elif lru.lstrip("-").isdigit() and int(lru) < 0:
+            # No plan cache: every call would re-time its convolution, inside the graph capture too.
+            self._set(
+                "cudnn_benchmark",
+                f"fallback: off (TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT={lru} disables cuDNN's plan cache)",
+            )
+        else:
+            self._cudnn_benchmark = True
+            self._set(
+                "cudnn_benchmark",
+                "on (convolutions timed in the warm-up before the capture; the flag is set only inside the fast path's calls)",
+            )
+        mode = cfg.autotune
+        if mode == "off":
+            self._set("autotune", "off")
+            return
+        import torch._inductor.config as inductor_config
+
+        options = autotune_options(mode)
+        missing = [k for k in options if not hasattr(inductor_config, k)]
+        if not (cfg.compile_unet or cfg.compile_vae):
+            self._set(
+                "autotune", "fallback: off (compile_unet and compile_vae are None: nothing is compiled)"
+            )
+        elif missing:
+            self._set("autotune", f"fallback: off (this torch's Inductor has no {', '.join(missing)})")
+        elif mode == "convs" and _aten_gemm_choices() is None:
+            self._set(
+                "autotune",
+                "fallback: off (this torch has no hook to keep the GEMMs on ATen for convs-only tuning)",
+            )
+        else:
+            self._autotune, self._gemm_filter = options, mode == "convs"
+            what = {
+                "convs": "Triton convolution templates vs cuDNN; GEMMs on ATen",
+                "gemm": "Triton GEMM templates vs cuBLAS (1×1 convolutions included); k×k convolutions on cuDNN",
+                "all": "Triton convolution and GEMM templates vs cuDNN/cuBLAS",
+            }[mode]
+            if self.device.type != "cuda":  # Inductor's templates are Triton (GPU) kernels
+                what = f"no Triton templates on {self.device.type}: the same ATen kernels as off"
+            parts = [n for n, m in (("U-Net", cfg.compile_unet), ("decoder", cfg.compile_vae)) if m]
+            self._set("autotune", f"{mode} (Inductor max-autotune at first call: {what}; {', '.join(parts)})")
+
+    def _compile_kwargs(self, mode: str) -> dict[str, Any]:
+        """torch.compile's mode, or with autotune the mode's options plus the autotune patch."""
+        if not self._autotune:
+            return {"mode": mode}
+        import torch._inductor
+
+        return {"options": {**torch._inductor.list_mode_options(mode), **self._autotune}}
+
+    @contextlib.contextmanager
+    def _tuning(self) -> Any:
+        """Around every call that may compile, time or capture: the cuDNN flag and the GEMM filter."""
+        with contextlib.ExitStack() as stack:
+            if self._cudnn_benchmark:
+                stack.enter_context(cudnn_benchmark_flag(True))
+            if self._gemm_filter:
+                stack.enter_context(gemms_on_aten())
+                before = _aten_gemm_choices().dropped
+                stack.callback(self._count_dropped, before)
+            yield
+
+    def _count_dropped(self, before: int) -> None:
+        dropped = _aten_gemm_choices().dropped - before
+        if dropped:
+            self._gemm_dropped += dropped
+            head = self.report["autotune"].split("; GEMM templates dropped")[0]
+            self.report["autotune"] = f"{head}; GEMM templates dropped: {self._gemm_dropped}"
 
     def _install_attention(self) -> None:
         cfg = self.config
@@ -302,10 +506,10 @@ class GraphDenoiser:
         if unet_mode and cfg.compile_regions:
             blocks = [m for m in self.unet.modules() if type(m).__name__ in REGION_BLOCKS]
             for block in blocks:
-                block.compile(mode=unet_mode, fullgraph=True, dynamic=False)
+                block.compile(fullgraph=True, dynamic=False, **self._compile_kwargs(unet_mode))
             self._set("compile_unet", f"{unet_mode}, regional ({len(blocks)} blocks)")
         elif unet_mode:
-            self.unet.compile(mode=unet_mode, fullgraph=True, dynamic=False)
+            self.unet.compile(fullgraph=True, dynamic=False, **self._compile_kwargs(unet_mode))
             self.report.setdefault("compile_unet", unet_mode)
         else:
             self._set("compile_unet", "off")
@@ -314,7 +518,9 @@ class GraphDenoiser:
             vae_mode = "default"
             self._set("compile_vae", "fallback: default (the loop graph captures the decode)")
         if vae_mode:
-            self.vae.decode = torch.compile(self.vae.decode, mode=vae_mode, fullgraph=True, dynamic=False)
+            self.vae.decode = torch.compile(
+                self.vae.decode, fullgraph=True, dynamic=False, **self._compile_kwargs(vae_mode)
+            )
             self.report.setdefault("compile_vae", vae_mode)
         else:
             self._set("compile_vae", "off")
@@ -373,7 +579,7 @@ class GraphDenoiser:
         context = torch.cat([job.uncond, job.cond]) if guidance else job.cond  # (2N or N, L, D)
         context = context.to(self.unet.dtype)
         reason = self._why_eager(job)
-        with torch.no_grad():
+        with torch.no_grad(), self._tuning():
             if reason is not None or self._loop_kind == "eager":
                 if reason is not None and reason not in self._eager_reasons:
                     self._eager_reasons.add(reason)
@@ -491,6 +697,11 @@ class GraphDenoiser:
         cfg = self.config
         attention = cfg.attention if cfg.attention != "auto" or self._auto_attention else "default"
         t_dtype = str(plan.timesteps.dtype).removeprefix("torch.")
+        # The tuning switches as applied (a fallback to off builds what off builds).
+        tuning = {
+            "cudnn_benchmark": self._cudnn_benchmark,
+            "autotune": cfg.autotune if self._autotune else "off",
+        }
         return {
             "unet": {
                 "shapes": {
@@ -504,11 +715,14 @@ class GraphDenoiser:
                     "attention": attention,
                     "cross_kv_cache": cfg.cross_kv_cache,
                     "fp8": self.report.get("fp8", "off").startswith("on"),
+                    **tuning,
                 },
+                "inductor": self._autotune,
             },
             "decoder": {
                 "shapes": {"latents": list(noise_shape)},
-                "switches": {"channels_last": cfg.channels_last},
+                "switches": {"channels_last": cfg.channels_last, **tuning},
+                "inductor": self._autotune,
             },
         }
 
@@ -598,7 +812,7 @@ class GraphDenoiser:
                 self.vae.decode = compiled_decode
 
     def _maybe_save_cache(self) -> None:
-        path = self.config.compile_cache
+        path = self._cache_path
         if path and self._cache_state.startswith("missing") and self.config.compile_unet:
             self._cache_state = save_compile_cache(path)
             save_backend_table(path, self._backends)
@@ -642,4 +856,14 @@ def describe(report: dict[str, str]) -> str:
     return "; ".join(f"{k}: {v}" for k, v in report.items())
 
 
-__all__ = ["AccelerateConfig", "GraphDenoiser", "accelerate", "describe"]
+__all__ = [
+    "AUTOTUNE_MODES",
+    "AccelerateConfig",
+    "GraphDenoiser",
+    "accelerate",
+    "autotune_options",
+    "compile_cache_file",
+    "cudnn_benchmark_flag",
+    "describe",
+    "gemms_on_aten",
+]

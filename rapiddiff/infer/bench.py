@@ -7,7 +7,12 @@ Variants (each on a freshly built pipeline with identical weights):
 - ``recipe``: channels_last + fused QKV + ``torch.compile(unet, mode="reduce-overhead",
   fullgraph=True)`` + compiled VAE decode, as huggingface/diffusion-fast does it;
 - ``rapiddiff``: :func:`rapiddiff.infer.accelerate.accelerate` with its defaults;
-- ``rapiddiff-fp8``: the same with fp8 linear layers (reported with its quality cost).
+- ``rapiddiff-fp8``: the same with fp8 linear layers (reported with its quality cost);
+- ``rapiddiff+KEY=VALUE[,KEY=VALUE...]``: the defaults with :class:`~rapiddiff.infer.accelerate.AccelerateConfig`
+  fields changed (a bare KEY means true), e.g. ``rapiddiff+cudnn_benchmark``, ``rapiddiff+autotune=convs``;
+  each its own row, compiled afresh (no compile-cache file). A variant that turns cudnn_benchmark on
+  runs in a thread of its own: cuDNN's plan cache is per thread and keeps whichever plan a
+  convolution got first, so an earlier variant's heuristic plans would stop it timing anything.
 
 Per variant and batch size: it/s (denoising steps per second of end-to-end time, as diffusers'
 progress bar counts them), images/s, end-to-end seconds (median of
@@ -28,6 +33,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,6 +48,9 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-fp8")
+TUNED = "rapiddiff+"  # rapiddiff+KEY=VALUE[,KEY=VALUE]: the defaults with AccelerateConfig fields changed
+# Fields a tuned variant may not set: the bench owns the compile-cache file (the rapiddiff row's).
+NOT_TUNABLE = ("compile_cache",)
 # Switch-by-switch parity runs (no compile: each is cheap and isolates one transform).
 SWITCHES: dict[str, dict[str, Any]] = {
     "channels_last": {"channels_last": True},
@@ -84,9 +93,8 @@ class BenchConfig:
     """Skip the remaining tasks once this many seconds have passed (0: no limit)."""
 
     def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown:
-            raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+        for variant in self.variants:
+            parse_variant(variant)  # raises naming the variant and what is allowed
         if "all" in self.switches:
             self.switches = tuple(SWITCHES)
         bad = [s for s in self.switches if s not in SWITCHES]
@@ -94,6 +102,75 @@ class BenchConfig:
             raise ValueError(f"unknown switches {bad}; choose from all, {', '.join(SWITCHES)}")
         if self.steps < 1 or any(b < 1 for b in self.batches):
             raise ValueError("steps and batch sizes must be ≥ 1")
+
+
+def parse_variant(name: str) -> dict[str, Any]:
+    """The AccelerateConfig switches a variant name sets: {} for the named VARIANTS, the parsed
+    fields for ``rapiddiff+KEY=VALUE[,KEY=VALUE...]`` (a bare KEY is true). Values are read by the
+    field's type (bool: true/false, int, None: none) and checked by AccelerateConfig itself, so a bad
+    value's error names the valid ones. ValueError naming the variant otherwise."""
+    if name in VARIANTS:
+        return {}
+    from dataclasses import fields
+
+    from rapiddiff.infer.accelerate import AccelerateConfig
+
+    kinds = {f.name: str(f.type) for f in fields(AccelerateConfig) if f.name not in NOT_TUNABLE}
+    grammar = f"{TUNED}KEY=VALUE[,KEY=VALUE...] with KEY one of {', '.join(kinds)}"
+    if not name.startswith(TUNED) or not name[len(TUNED) :]:
+        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} or {grammar}")
+    switches: dict[str, Any] = {}
+    for item in name[len(TUNED) :].split(","):
+        key, sep, text = item.partition("=")
+        if key not in kinds:
+            raise ValueError(f"variant {name!r}: unknown switch {key!r}; expected {grammar}")
+        if key in switches:
+            raise ValueError(f"variant {name!r}: {key} given twice")
+        switches[key] = _switch_value(name, key, kinds[key], text if sep else None)
+    try:
+        AccelerateConfig(**switches)
+    except ValueError as err:
+        raise ValueError(f"variant {name!r}: {err}") from err
+    return switches
+
+
+def _switch_value(variant: str, key: str, kind: str, text: str | None) -> Any:
+    low = (text or "").strip().lower()
+    if kind == "bool":
+        if text is None or low in ("true", "1", "on", "yes"):
+            return True
+        if low in ("false", "0", "off", "no"):
+            return False
+        raise ValueError(f"variant {variant!r}: {key} takes true or false, got {text!r}")
+    if text is None:
+        raise ValueError(f"variant {variant!r}: {key} needs a value ({key}=...)")
+    if "None" in kind and low in ("none", "null"):
+        return None
+    if kind.startswith("int"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"variant {variant!r}: {key} takes an integer, got {text!r}") from None
+    return text
+
+
+def run_in_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a new thread (the caller waits): a fresh thread starts with empty thread-local
+    state — here cuDNN's plan cache. Returns its result or raises its exception."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="bench-fresh-cudnn-cache")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 @dataclass
@@ -208,9 +285,8 @@ def make_runner(
     if variant == "switch":
         config = AccelerateConfig.off(dtype=cfg.dtype, **switches)
     else:
-        config = AccelerateConfig(
-            dtype=cfg.dtype, fp8=variant == "rapiddiff-fp8", compile_cache=cache, **switches
-        )
+        fields = {"dtype": cfg.dtype, "fp8": variant == "rapiddiff-fp8", "compile_cache": cache}
+        config = AccelerateConfig(**{**fields, **parse_variant(variant), **switches})
         if not cfg.compile:
             config.compile_unet = config.compile_vae = None
     fast = accelerate(pipe, config)
@@ -429,8 +505,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     for task, args in plan_tasks(cfg):
         spent = time.perf_counter() - began
         if cfg.budget_s and spent > cfg.budget_s:
-            log.warning("bench: time budget %.0f s spent; skipping %s %s", cfg.budget_s, task, args)
-            extra.setdefault("skipped", []).append(f"{task} {args}")
+            what = f"{args[0]} at batch {args[1]}" if task == "run" else task
+            log.warning(
+                "bench: time budget %.0f s spent (%.0f s); not starting %s", cfg.budget_s, spent, what
+            )
+            print(f"skipped (time budget {cfg.budget_s:.0f} s spent at {spent:.0f} s): {what}", flush=True)
+            extra.setdefault("skipped", []).append(what)
+            save()
             continue
         if task == "second_process":
             if device.type == "cuda" and os.path.exists(cache):
@@ -444,16 +525,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         else:
             variant, batch, switches = args
             log.info("bench: %s at batch %d %s", variant, batch, switches or "")
+            tuned = parse_variant(variant) if variant != "switch" else {}
+            own_thread = tuned.get("cudnn_benchmark") is True  # on a CPU too: one code path
+
+            def one(variant: str = variant, batch: int = batch, switches: dict = switches) -> tuple[Row, Any]:
+                cached = cache if variant == "rapiddiff" else None
+                return bench_one(variant, batch, cfg, device, reference, cached, **switches)
+
             try:
-                row, first = bench_one(
-                    variant,
-                    batch,
-                    cfg,
-                    device,
-                    reference,
-                    cache if variant == "rapiddiff" else None,
-                    **switches,
-                )
+                row, first = run_in_fresh_thread(one) if own_thread else one()
+                if own_thread:
+                    row.note = "own thread (empty cuDNN plan cache); " + row.note
             except Exception as err:  # one broken variant must not lose the others' numbers
                 log.exception("bench: %s at batch %d failed", variant, batch)
                 row = Row(variant, batch, cfg.steps, note=f"FAILED: {type(err).__name__}: {err}"[:300])
@@ -565,6 +647,11 @@ def markdown_table(rows: list[Row], meta: dict[str, Any], extra: dict[str, Any])
             f"| {r.variant} | {r.batch} | {r.it_s:.1f} | {r.images_s:.2f} | {r.e2e_s:.3f} | {r.peak_gib:.2f} | "
             f"{r.warmup_s:.1f} | {r.latent_rel_err:.1e} | {r.psnr_db:.1f} | {ratio} |"
         )
+    if extra.get("skipped"):
+        lines += [
+            "",
+            f"Not started (time budget {meta['config']['budget_s']:.0f} s spent): {', '.join(extra['skipped'])}.",
+        ]
     sp = extra.get("second_process")
     if sp and "error" not in sp:
         lines += [

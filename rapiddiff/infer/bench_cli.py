@@ -28,7 +28,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--variants",
         nargs="+",
         default=["eager", "recipe", "rapiddiff"],
-        help="eager, recipe, rapiddiff, rapiddiff-fp8 (eager always runs: it is the parity reference)",
+        help="eager, recipe, rapiddiff, rapiddiff-fp8, or rapiddiff+KEY=VALUE[,KEY=VALUE] (the defaults with "
+        "accelerate switches changed, e.g. rapiddiff+cudnn_benchmark, rapiddiff+autotune=convs); eager "
+        "always runs: it is the parity reference",
     )
     parser.add_argument(
         "--switches",
@@ -48,7 +50,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="write the top GPU kernels of the fast path")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
-        "--budget-s", type=float, default=0.0, help="skip remaining tasks after this many seconds"
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="start no task after this many seconds (each skipped one is named in the output)",
     )
     parser.add_argument("--out", default="bench-out", help="output folder")
     parser.set_defaults(func=run)

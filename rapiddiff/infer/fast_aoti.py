@@ -15,7 +15,8 @@ other in-memory weight change runs as it is, and the package costs no second cop
 What the compiled code *does* depend on is checked before every load, field by field against the
 manifest (:func:`check_package`): format, part, torch and CUDA versions, device name and capability
 (CPU: its ISA level), dtype, input shapes, the fast path's switches (channels_last, fused QKV,
-attention backend, cross-attention K/V, fp8), the Inductor options, a hash of the weights files
+attention backend, cross-attention K/V, fp8, cudnn_benchmark, autotune), the Inductor options
+(autotune's patch included), a hash of the weights files
 (policy: a new model is a new build), and the name, shape, stride and dtype of every constant the
 package reads (the layout its kernels were generated for). Then the file's size and SHA-256 against
 the manifest (a truncated or corrupt file). Any difference → the reason, logged; the caller rebuilds
@@ -83,8 +84,12 @@ def package_key(
     shapes: dict[str, Any],
     switches: dict[str, Any],
     weights: str,
+    inductor: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything a package is valid for (compared field by field by :func:`check_package`)."""
+    """Everything a package is valid for (compared field by field by :func:`check_package`).
+
+    ``inductor``: Inductor options beyond :data:`INDUCTOR_CONFIGS` the package is built with
+    (the fast path's autotune patch); they are part of the key and of the build."""
     return {
         "format": FORMAT,
         "part": part,
@@ -93,7 +98,7 @@ def package_key(
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes,
         "switches": switches,
-        "inductor": INDUCTOR_CONFIGS,
+        "inductor": {**INDUCTOR_CONFIGS, **(inductor or {})},
         "weights": weights,
     }
 
@@ -268,7 +273,7 @@ def build_package(
     tmp = Path(tmp_name)
     try:
         torch._inductor.aoti_compile_and_package(
-            program, package_path=str(tmp), inductor_configs=dict(INDUCTOR_CONFIGS)
+            program, package_path=str(tmp), inductor_configs=dict(key.get("inductor", INDUCTOR_CONFIGS))
         )
         names = sorted(open_package(tmp).get_constant_fqns())
         live = live_constants(module)

@@ -32,6 +32,7 @@ pytestmark = [
     ),
 ]
 
+TUNED_COMPILE = {"compile_unet": "default", "compile_vae": "default", "loop": "graph"}
 # Each switch alone (from everything off), then the shipped defaults without / with compile.
 GPU_SWITCHES = {
     "dtype=float16": {"dtype": "float16"},
@@ -44,6 +45,15 @@ GPU_SWITCHES = {
     "loop=graph": {"loop": "graph"},
     "defaults-no-compile": "defaults-no-compile",
     "defaults": "defaults",
+    # Issue 16's tuning switches, in half precision as they are used (each picks other kernels).
+    "cudnn_benchmark": {"dtype": "float16", "cudnn_benchmark": True, "loop": "graph"},
+    "autotune=convs": {"dtype": "float16", "autotune": "convs", **TUNED_COMPILE},
+    "cudnn_benchmark+autotune=all": {
+        "dtype": "float16",
+        "cudnn_benchmark": True,
+        "autotune": "all",
+        **TUNED_COMPILE,
+    },
 }
 
 
@@ -81,9 +91,8 @@ def test_gpu_switch_gives_the_eager_image(tiny_folders, images, task, switch):
     eager = RapidDiffusionPipeline.from_pretrained(folder, device="cuda")
     expected = _ours(eager, task, "pndm", [3, 11], images)
     fast = accelerate(RapidDiffusionPipeline.from_pretrained(folder, device="cuda"), _config(switch))
-    assert not any(v.startswith("fallback") for k, v in fast.report.items() if k in ("loop", "dtype")), (
-        fast.report
-    )
+    applies = ("loop", "dtype", "cudnn_benchmark", "autotune")  # must not fall back on a GPU
+    assert not any(v.startswith("fallback") for k, v in fast.report.items() if k in applies), fast.report
     for _ in range(2):  # the second call replays the captured graph
         out = _ours(fast, task, "pndm", [3, 11], images)
         fp32 = fast.dtype == torch.float32
