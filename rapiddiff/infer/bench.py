@@ -7,7 +7,9 @@ Variants (each on a freshly built pipeline with identical weights):
 - ``recipe``: channels_last + fused QKV + ``torch.compile(unet, mode="reduce-overhead",
   fullgraph=True)`` + compiled VAE decode, as huggingface/diffusion-fast does it;
 - ``rapiddiff``: :func:`rapiddiff.infer.accelerate.accelerate` with its defaults;
-- ``rapiddiff-fp8``: the same with fp8 linear layers (reported with its quality cost).
+- ``rapiddiff-fp8``: the same with fp8 linear layers (reported with its quality cost);
+- ``rapiddiff-tome``: the same, images made with token merging (``token_merge``, approximate; its
+  note gives the PSNR against the exact ``rapiddiff`` image when that ran first).
 
 Per variant and batch size: it/s (denoising steps per second of end-to-end time, as diffusers'
 progress bar counts them), images/s, end-to-end seconds (median of
@@ -41,7 +43,7 @@ from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-fp8")
+VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-fp8", "rapiddiff-tome")
 # Switch-by-switch parity runs (no compile: each is cheap and isolates one transform).
 SWITCHES: dict[str, dict[str, Any]] = {
     "channels_last": {"channels_last": True},
@@ -82,6 +84,8 @@ class BenchConfig:
     device: str = "auto"
     budget_s: float = 0.0
     """Skip the remaining tasks once this many seconds have passed (0: no limit)."""
+    token_merge: float = 0.5
+    """The ToMe ratio of the ``rapiddiff-tome`` variant."""
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -94,6 +98,9 @@ class BenchConfig:
             raise ValueError(f"unknown switches {bad}; choose from all, {', '.join(SWITCHES)}")
         if self.steps < 1 or any(b < 1 for b in self.batches):
             raise ValueError("steps and batch sizes must be ≥ 1")
+        from rapiddiff.models.token_merge import check_ratio
+
+        check_ratio(self.token_merge, "token_merge")
 
 
 @dataclass
@@ -214,6 +221,8 @@ def make_runner(
         if not cfg.compile:
             config.compile_unet = config.compile_vae = None
     fast = accelerate(pipe, config)
+    if variant == "rapiddiff-tome":
+        prompt_kw["token_merge"] = cfg.token_merge
 
     def run_fast(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
         out = fast([PROMPT] * batch, seed=cfg.seed, output_type="np", progress=False, **prompt_kw)
@@ -292,6 +301,7 @@ def bench_one(
             num_inference_steps=cfg.steps,
             guidance_scale=cfg.guidance,
             progress=False,
+            **({"token_merge": cfg.token_merge} if variant == "rapiddiff-tome" else {}),
         )
         row.stages = {k: round(v * 1e3, 2) for k, v in out.seconds.items()}
     key = f"b{batch}"
@@ -300,6 +310,15 @@ def bench_one(
     elif key in reference:
         row.latent_rel_err = rel_err(latents, reference[key][1])
         row.psnr_db = psnr(images, reference[key][0])
+    if variant == "rapiddiff":
+        reference["rapiddiff-" + key] = images
+    elif (
+        variant == "rapiddiff-tome" and "rapiddiff-" + key in reference
+    ):  # its price against the exact fast path
+        exact = reference["rapiddiff-" + key]
+        row.note = (
+            f"token_merge={cfg.token_merge}, PSNR vs rapiddiff {psnr(images, exact):.1f} dB; " + row.note
+        )
     first = images[0]
     del run, fast, pipe
     free_memory()

@@ -28,7 +28,15 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--variants",
         nargs="+",
         default=["eager", "recipe", "rapiddiff"],
-        help="eager, recipe, rapiddiff, rapiddiff-fp8 (eager always runs: it is the parity reference)",
+        help="eager, recipe, rapiddiff, rapiddiff-fp8, rapiddiff-tome (eager always runs: it is the parity "
+        "reference)",
+    )
+    parser.add_argument(
+        "--token-merge",
+        type=float,
+        default=0.5,
+        metavar="R",
+        help="ToMe ratio of the rapiddiff-tome variant (approximate: its PSNR against rapiddiff is in its note)",
     )
     parser.add_argument(
         "--switches",
@@ -74,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         budget_s=args.budget_s,
         out=args.out,
+        token_merge=args.token_merge,
     )
     run_bench(cfg)
     return 0
