@@ -274,3 +274,26 @@ def test_gpu_graph_loop_gives_the_eager_token_merge_image(tiny_folders, compiled
         assert _psnr(out.images, expected.images) > 30
         assert _psnr(out.images, expected.images) > _psnr(out.images, exact.images) + 3
     assert fast.report["loop"] == "graph"
+
+
+def test_bench_times_the_tome_variant_beside_rapiddiff_with_its_price(tmp_path):
+    from rapiddiff.infer.bench import BenchConfig, run_bench
+
+    with pytest.raises(ValueError, match=r"token_merge must be a number in \[0, 0.75\]"):
+        BenchConfig(token_merge=0.9)
+    cfg = BenchConfig(
+        preset="tiny",
+        steps=2,
+        batches=(1,),
+        variants=("eager", "rapiddiff", "rapiddiff-tome"),
+        dtype="float32",
+        compile=False,
+        min_run_time=0.05,
+        out=str(tmp_path),
+        device="cpu",
+    )
+    rows = {r["variant"]: r for r in run_bench(cfg)["rows"]}
+    assert rows["rapiddiff"]["psnr_db"] > 35
+    tome = rows["rapiddiff-tome"]
+    assert tome["it_s"] > 0 and 10 < tome["psnr_db"] < math.inf  # approximate: not the eager image
+    assert tome["note"].startswith("token_merge=0.5, PSNR vs rapiddiff ")
