@@ -488,7 +488,17 @@ class GraphDenoiser:
             if token_merge > 0:
                 from rapiddiff.models.token_merge import TokenMerge
 
-                unet_fn = TokenMerge.of(self.unet).stepped(unet_fn, plan.num_evaluations)
+                merger = TokenMerge.of(self.unet)
+                if self._auto_attention:  # the merged self-attention's shape gets its backend timed too
+                    shapes = merger.attention_shapes((h, w), token_merge)
+                    missing = {s for s in shapes if (s[0], s[1], s[3]) not in self._backends}
+                    if missing:
+                        self._backends.update(
+                            fast_attention.choose_backends(
+                                missing, context_shape[0], self.unet.dtype, self.device
+                            )
+                        )
+                unet_fn = merger.stepped(unet_fn, plan.num_evaluations)
             if aoti:
                 unet_fn, decode_fn = self._aoti_parts(plan, noise_shape, context_shape, unet_fn, decode_fn)
             self._loops[key] = DenoiseLoop(

@@ -239,6 +239,18 @@ class TokenMerge:
 
         return forward
 
+    def attention_shapes(self, size: tuple[int, int], ratio: float) -> set[tuple[int, int, int, int]]:
+        """(query tokens, key tokens, heads, head width) of the merged self-attentions on ``size``
+        latents: the shapes the fast path's per-shape backend choice must also time."""
+        h, w = level_grid(int(size[0]), int(size[1]), self.level)
+        n = h * w
+        tokens = n - min(int(n * check_ratio(ratio)), n - (h // SY) * (w // SX))
+        shapes = set()
+        for module, _ in self._wrapped[1::2]:  # the attn1 modules
+            inner = module.to_q.out_features
+            shapes.add((tokens, tokens, module.heads, inner // module.heads))
+        return shapes
+
     def pattern(self, index: int) -> torch.Tensor:
         """Evaluation ``index``'s destination pattern on this run's grid and device (made once, kept)."""
         h, w = self.grid

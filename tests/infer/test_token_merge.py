@@ -253,6 +253,9 @@ def test_sd15_layout_merges_the_first_level_only():
     first = [tb for a in sd.down_blocks[0].attentions for tb in a.transformer_blocks]
     last = [tb for a in sd.up_blocks[-1].attentions for tb in a.transformer_blocks]
     assert level == 0 and [id(b) for b in blocks] == [id(b) for b in first + last] and len(blocks) == 5
+    heads = sd.down_blocks[0].attentions[0].transformer_blocks[0].attn1.heads
+    # 64² latents at 0.5: the fast path times a backend for the 2,048-token self-attention too
+    assert TokenMerge(sd).attention_shapes((64, 64), 0.5) == {(2048, 2048, heads, 32 // heads)}
 
 
 @pytest.mark.gpu
