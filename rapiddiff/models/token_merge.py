@@ -17,7 +17,7 @@ once on the CPU from ``torch.Generator().manual_seed(PATTERN_SEED + i)`` and kep
 tomesd draws it with ``torch.randint`` on the device from a fork of the global RNG, once per call;
 a fixed per-evaluation pattern instead (1) keeps rapiddiff's seed rule — an image depends on its
 seed and settings only, never on the process's RNG state, its batch or the path; (2) is a
-constant a captured CUDA graph can hold (no RNG, no host sync, no allocation inside the loop);
+constant a captured CUDA graph can hold (no RNG state, no host-to-device copy inside the loop);
 and (3) still moves the destinations from step to step, which is what ToMe's random choice is
 for (a fixed grid of destinations leaves grid artifacts). The matching itself is per row: each
 image (and each CFG half) merges by its own tokens, so a batch does not mix images.
