@@ -15,7 +15,9 @@ layers that are not merged. A run the graph loop cannot express (a scheduler who
 not linear, ``eta`` > 0, inpainting's per-pixel blending) runs the one eager loop of
 :mod:`rapiddiff.models.sampling` on the transformed modules, with the reason logged once.
 DeepCache (a job's ``deep_cache`` > 1) runs on the loop too: its full/cached pattern is fixed per
-evaluation index, so the captured graph holds it (one captured loop per interval).
+evaluation index, so the captured graph holds it (one captured loop per interval). Token merging
+(a job's ``token_merge`` > 0, :mod:`rapiddiff.models.token_merge`) likewise: its destination
+pattern is fixed per evaluation index and its shapes per ratio (one captured loop per ratio).
 With ``aoti="load"`` the loop calls AOTInductor packages of the U-Net and the VAE decoder
 (:mod:`rapiddiff.infer.fast_aoti`, built by ``rapiddiff accelerate export``) instead of the
 torch.compile'd modules, so a new process skips Dynamo's tracing; everything else is the same loop.
@@ -589,11 +591,17 @@ class GraphDenoiser:
             assert not isinstance(plan, str)
             start = job.noise if job.pure_noise else job.latents  # what row 0 of the plan's basis holds
             loop = self._get_loop(
-                plan, tuple(start.shape), tuple(context.shape), guidance, job.deep_cache, job.guidance_rescale
+                plan,
+                tuple(start.shape),
+                tuple(context.shape),
+                guidance,
+                job.deep_cache,
+                job.guidance_rescale,
+                job.token_merge,
             )
 
             def attempt() -> tuple[torch.Tensor, torch.Tensor | None]:
-                with self._deep_cache(job.deep_cache):
+                with self._deep_cache(job.deep_cache), self._token_merge(job.token_merge, start):
                     return loop(start, context, job.guidance_scale)
 
             try:
@@ -634,6 +642,14 @@ class GraphDenoiser:
 
         return DeepCache.of(self.unet).active(interval)
 
+    def _token_merge(self, ratio: float, latents: torch.Tensor) -> Any:
+        """Token merging's wrappers installed around one loop run (like :meth:`_deep_cache`)."""
+        if ratio <= 0:
+            return contextlib.nullcontext()
+        from rapiddiff.models.token_merge import TokenMerge
+
+        return TokenMerge.of(self.unet).active(ratio, tuple(latents.shape[-2:]), latents.device)
+
     def _get_loop(
         self,
         plan: LinearPlan | ClippedDDIMPlan,
@@ -642,6 +658,7 @@ class GraphDenoiser:
         guidance: bool,
         deep_cache: int = 1,
         guidance_rescale: float = 0.0,
+        token_merge: float = 0.0,
     ) -> DenoiseLoop:
         key = (
             noise_shape,
@@ -651,17 +668,19 @@ class GraphDenoiser:
             id(plan),
             deep_cache,
             guidance_rescale,
+            token_merge,
         )
         if key not in self._loops:
             while len(self._loops) >= max(1, self.config.max_graphs):
                 self._loops.pop(next(iter(self._loops)))  # oldest first; its graph pool is freed
             _, _, h, w = noise_shape
-            aoti = self._aoti is not None and deep_cache <= 1
+            aoti = self._aoti is not None and deep_cache <= 1 and token_merge <= 0
             if aoti:
                 self._adopt_package_backends(plan, noise_shape, context_shape)
             elif self._aoti is not None:
+                what = "DeepCache" if deep_cache > 1 else "token merging"
                 self._set(
-                    "aoti_unet", "fallback: torch.compile (DeepCache rewires the U-Net's blocks per step)"
+                    "aoti_unet", f"fallback: torch.compile ({what} rewires the U-Net's blocks per step)"
                 )
             self._ensure_backends(context_shape[0], h, w, context_shape[1])
             graph = self._loop_kind == "graph"
@@ -672,6 +691,20 @@ class GraphDenoiser:
 
                 # Each loop run makes exactly num_evaluations U-Net calls, in order.
                 unet_fn = DeepCache.of(self.unet).stepped(self._unet_fn, deep_cache, plan.num_evaluations)
+            if token_merge > 0:
+                from rapiddiff.models.token_merge import TokenMerge
+
+                merger = TokenMerge.of(self.unet)
+                if self._auto_attention:  # the merged self-attention's shape gets its backend timed too
+                    shapes = merger.attention_shapes((h, w), token_merge)
+                    missing = {s for s in shapes if (s[0], s[1], s[3]) not in self._backends}
+                    if missing:
+                        self._backends.update(
+                            fast_attention.choose_backends(
+                                missing, context_shape[0], self.unet.dtype, self.device
+                            )
+                        )
+                unet_fn = merger.stepped(unet_fn, plan.num_evaluations)
             if aoti:
                 unet_fn, decode_fn = self._aoti_parts(plan, noise_shape, context_shape, unet_fn, decode_fn)
             self._loops[key] = DenoiseLoop(

@@ -8,6 +8,8 @@ Variants (each on a freshly built pipeline with identical weights):
   fullgraph=True)`` + compiled VAE decode, as huggingface/diffusion-fast does it;
 - ``rapiddiff``: :func:`rapiddiff.infer.accelerate.accelerate` with its defaults;
 - ``rapiddiff-fp8``: the same with fp8 linear layers (reported with its quality cost);
+- ``rapiddiff-tome``: the same, images made with token merging (``token_merge``, approximate; its
+  note gives the PSNR against the exact ``rapiddiff`` image when that ran first).
 - ``rapiddiff+KEY=VALUE[,KEY=VALUE...]``: the defaults with :class:`~rapiddiff.infer.accelerate.AccelerateConfig`
   fields changed (a bare KEY means true), e.g. ``rapiddiff+cudnn_benchmark``, ``rapiddiff+autotune=convs``;
   each its own row, compiled afresh (no compile-cache file). A variant that turns cudnn_benchmark on
@@ -47,7 +49,7 @@ from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-fp8")
+VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-fp8", "rapiddiff-tome")
 TUNED = "rapiddiff+"  # rapiddiff+KEY=VALUE[,KEY=VALUE]: the defaults with AccelerateConfig fields changed
 # Fields a tuned variant may not set: the bench owns the compile-cache file (the rapiddiff row's).
 NOT_TUNABLE = ("compile_cache",)
@@ -91,6 +93,8 @@ class BenchConfig:
     device: str = "auto"
     budget_s: float = 0.0
     """Skip the remaining tasks once this many seconds have passed (0: no limit)."""
+    token_merge: float = 0.5
+    """The ToMe ratio of the ``rapiddiff-tome`` variant."""
 
     def __post_init__(self) -> None:
         for variant in self.variants:
@@ -102,6 +106,9 @@ class BenchConfig:
             raise ValueError(f"unknown switches {bad}; choose from all, {', '.join(SWITCHES)}")
         if self.steps < 1 or any(b < 1 for b in self.batches):
             raise ValueError("steps and batch sizes must be ≥ 1")
+        from rapiddiff.models.token_merge import check_ratio
+
+        check_ratio(self.token_merge, "token_merge")
 
 
 def parse_variant(name: str) -> dict[str, Any]:
@@ -290,6 +297,8 @@ def make_runner(
         if not cfg.compile:
             config.compile_unet = config.compile_vae = None
     fast = accelerate(pipe, config)
+    if variant == "rapiddiff-tome":
+        prompt_kw["token_merge"] = cfg.token_merge
 
     def run_fast(batch: int, output_type: str = "np") -> tuple[Any, torch.Tensor | None]:
         out = fast([PROMPT] * batch, seed=cfg.seed, output_type="np", progress=False, **prompt_kw)
@@ -368,6 +377,7 @@ def bench_one(
             num_inference_steps=cfg.steps,
             guidance_scale=cfg.guidance,
             progress=False,
+            **({"token_merge": cfg.token_merge} if variant == "rapiddiff-tome" else {}),
         )
         row.stages = {k: round(v * 1e3, 2) for k, v in out.seconds.items()}
     key = f"b{batch}"
@@ -376,6 +386,15 @@ def bench_one(
     elif key in reference:
         row.latent_rel_err = rel_err(latents, reference[key][1])
         row.psnr_db = psnr(images, reference[key][0])
+    if variant == "rapiddiff":
+        reference["rapiddiff-" + key] = images
+    elif (
+        variant == "rapiddiff-tome" and "rapiddiff-" + key in reference
+    ):  # its price against the exact fast path
+        exact = reference["rapiddiff-" + key]
+        row.note = (
+            f"token_merge={cfg.token_merge}, PSNR vs rapiddiff {psnr(images, exact):.1f} dB; " + row.note
+        )
     first = images[0]
     del run, fast, pipe
     free_memory()

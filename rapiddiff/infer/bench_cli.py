@@ -28,9 +28,16 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--variants",
         nargs="+",
         default=["eager", "recipe", "rapiddiff"],
-        help="eager, recipe, rapiddiff, rapiddiff-fp8, or rapiddiff+KEY=VALUE[,KEY=VALUE] (the defaults with "
-        "accelerate switches changed, e.g. rapiddiff+cudnn_benchmark, rapiddiff+autotune=convs); eager "
-        "always runs: it is the parity reference",
+        help="eager, recipe, rapiddiff, rapiddiff-fp8, rapiddiff-tome, or rapiddiff+KEY=VALUE[,KEY=VALUE] (the "
+        "defaults with accelerate switches changed, e.g. rapiddiff+cudnn_benchmark, rapiddiff+autotune=convs); "
+        "eager always runs: it is the parity reference",
+    )
+    parser.add_argument(
+        "--token-merge",
+        type=float,
+        default=0.5,
+        metavar="R",
+        help="ToMe ratio of the rapiddiff-tome variant (approximate: its PSNR against rapiddiff is in its note)",
     )
     parser.add_argument(
         "--switches",
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         budget_s=args.budget_s,
         out=args.out,
+        token_merge=args.token_merge,
     )
     run_bench(cfg)
     return 0

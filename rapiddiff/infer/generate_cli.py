@@ -28,6 +28,7 @@ EPILOG = """examples:
   rapiddiff generate "一个香蕉" --init-image photo.png --mask mask.png            # inpainting (white = repaint)
   rapiddiff generate "一只熊猫" --lora runs/finetune/lora/model:0.8              # a LoRA at 0.8
   rapiddiff generate "一只熊猫" --deep-cache 3                # faster, approximate (DeepCache)
+  rapiddiff generate "一只熊猫" --token-merge 0.5             # approximate token merging (ToMe)
 
 Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size, model,
 upscaler file, LoRAs and init image / mask (path + sha256) in text chunks; --from-png reads them
@@ -145,6 +146,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="opt-in, approximate: run the whole U-Net every N steps and reuse its deep features in "
         "between (DeepCache); faster, at a measured quality cost (BENCHMARKS.md). Default: exact",
+    )
+    parser.add_argument(
+        "--token-merge",
+        type=float,
+        metavar="R",
+        help="opt-in, approximate: merge the fraction R (0–0.75; ToMe's default 0.5) of the tokens in the "
+        "highest-resolution self-attention (ToMe); the images differ from the exact ones at a measured "
+        "quality cost and the speed-up is small on the fast path (BENCHMARKS.md). Default: 0 (exact)",
     )
     parser.add_argument(
         "--no-knowledge", action="store_true", help="switch the knowledge fusion off (the base text encoder)"
@@ -275,6 +284,10 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         from rapiddiff.models.deep_cache import check_interval
 
         kwargs["deep_cache"] = check_interval(args.deep_cache, "--deep-cache")
+    if args.token_merge is not None:
+        from rapiddiff.models.token_merge import check_ratio
+
+        kwargs["token_merge"] = check_ratio(args.token_merge, "--token-merge")
     if "scheduler" in kwargs:  # bad names fail before loading
         kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
     if kwargs.get("num_inference_steps", 1) < 1:

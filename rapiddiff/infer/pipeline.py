@@ -83,6 +83,7 @@ class DenoiseJob:
     progress: bool = False
     deep_cache: int = 1  # DeepCache interval: the whole U-Net every N evaluations (1 = exact)
     guidance_rescale: float = 0.0  # CFG rescale φ (sampling.rescale_guidance); 0 = plain guidance
+    token_merge: float = 0.0  # ToMe ratio in the highest-resolution self-attention (0 = exact)
 
     def run(
         self,
@@ -95,7 +96,7 @@ class DenoiseJob:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The one eager loop (:func:`rapiddiff.models.sampling.denoise`) on this job with ``model``
         (the text rows cast to ``dtype`` if given), then the VAE decode if ``decode``. ``unet``:
-        the U-Net ``model`` calls, which ``deep_cache`` > 1 needs."""
+        the U-Net ``model`` calls, which ``deep_cache`` > 1 and ``token_merge`` > 0 need."""
         import contextlib
 
         from rapiddiff.models import sampling
@@ -103,14 +104,25 @@ class DenoiseJob:
         cond, uncond = self.cond, self.uncond
         if dtype is not None:
             cond, uncond = cond.to(dtype), uncond.to(dtype) if uncond is not None else None
-        steps: Any = contextlib.nullcontext()
-        if self.deep_cache > 1:
-            if unet is None:
-                raise ValueError("deep_cache > 1 needs the U-Net the model calls (DenoiseJob.run(unet=...))")
-            from rapiddiff.models.deep_cache import DeepCache
+        if (self.deep_cache > 1 or self.token_merge > 0) and unet is None:
+            raise ValueError(
+                "deep_cache > 1 and token_merge > 0 need the U-Net the model calls (DenoiseJob.run(unet=...))"
+            )
+        with contextlib.ExitStack() as stack:
+            hooks: list[Any] = []  # each approximation's step(i), called before evaluation i
+            if self.deep_cache > 1:
+                from rapiddiff.models.deep_cache import DeepCache
 
-            steps = DeepCache.of(unet).active(self.deep_cache)
-        with steps as on_step:
+                hooks.append(stack.enter_context(DeepCache.of(unet).active(self.deep_cache)))
+            if self.token_merge > 0:
+                from rapiddiff.models.token_merge import TokenMerge
+
+                size = tuple(self.latents.shape[-2:])
+                hooks.append(
+                    stack.enter_context(
+                        TokenMerge.of(unet).active(self.token_merge, size, self.latents.device)
+                    )
+                )
             latents = sampling.denoise(
                 model,
                 self.latents,
@@ -122,10 +134,22 @@ class DenoiseJob:
                 extra_step_kwargs=self.step_kwargs,
                 inpaint=self.inpaint,
                 progress=self.progress,
-                on_step=on_step,
+                on_step=_chained(hooks),
                 guidance_rescale=self.guidance_rescale,
             )
         return latents, sampling.decode(vae, latents) if decode else None
+
+
+def _chained(hooks: list[Any]) -> Any:
+    """One ``on_step(i)`` that calls each hook in order (None when there are none)."""
+    if not hooks:
+        return None
+
+    def on_step(index: int) -> None:
+        for hook in hooks:
+            hook(index)
+
+    return on_step
 
 
 @dataclass
@@ -432,6 +456,7 @@ class RapidDiffusionPipeline:
         progress: bool = True,
         deep_cache: int = 1,
         guidance_rescale: float | None = None,
+        token_merge: float = 0.0,
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
@@ -452,6 +477,10 @@ class RapidDiffusionPipeline:
         ``deep_cache=N`` (opt-in, approximate): the whole U-Net runs every N evaluations and the
         steps between reuse its deep features (DeepCache, :mod:`rapiddiff.models.deep_cache`);
         1 is the exact path. Recorded in the metadata when > 1.
+
+        ``token_merge=R`` (opt-in, approximate): ToMe merges ``R`` of the tokens entering the
+        highest-resolution self-attention (R in [0, 0.75]; 0.5 is ToMe's default;
+        :mod:`rapiddiff.models.token_merge`); 0 is the exact path. Recorded in the metadata when > 0.
         """
         import time
 
@@ -473,6 +502,11 @@ class RapidDiffusionPipeline:
         from rapiddiff.models.deep_cache import check_interval
 
         check_interval(deep_cache)
+        from rapiddiff.models.token_merge import TokenMerge, check_ratio
+
+        token_merge = check_ratio(token_merge)
+        if token_merge > 0:
+            TokenMerge.of(self.unet)  # a U-Net with nothing to merge is refused before sampling
         if num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be ≥ 1, got {num_images_per_prompt}")
         if output_type not in ("pil", "np", "pt", "latent"):
@@ -513,6 +547,8 @@ class RapidDiffusionPipeline:
             settings["knowledge_mode"] = knowledge_mode  # "text" / "both": --from-png must know it
         if deep_cache > 1:
             settings["deep_cache"] = deep_cache  # an approximation: --from-png must remake it too
+        if token_merge > 0:
+            settings["token_merge"] = token_merge  # likewise
         if rescale and guidance > 1.0:
             settings["guidance_rescale"] = rescale
         metadata = [
@@ -552,6 +588,7 @@ class RapidDiffusionPipeline:
             progress=progress,
             deep_cache=deep_cache,
             guidance_rescale=rescale,
+            token_merge=token_merge,
         )
         latents, images = self.denoise(job, decode=output_type != "latent")
         times["denoise_decode"] = time.perf_counter() - t0

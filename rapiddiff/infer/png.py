@@ -154,6 +154,8 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
     kwargs["guidance_rescale"] = float(meta.get("guidance_rescale", 0.0))
     if meta.get("deep_cache"):  # an approximate image is remade with the same approximation
         kwargs["deep_cache"] = int(meta["deep_cache"])
+    if meta.get("token_merge"):
+        kwargs["token_merge"] = float(meta["token_merge"])
     return kwargs
 
 
