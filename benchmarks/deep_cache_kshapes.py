@@ -85,6 +85,42 @@ def unet_call_times(pipe: Any, intervals: list[int], repeats: int = 7) -> dict[i
     return result
 
 
+def generate_and_score(
+    pipe: Any, jobs: list[tuple[dict[str, Any], int]], run: Path, args: argparse.Namespace, **switch: Any
+) -> tuple[list[Any], list[float], list[dict[str, Any]]]:
+    """Images of ``jobs`` ((prompt row, seed) pairs) in batches of ``args.batch`` with ``switch``
+    passed to the pipeline (e.g. ``deep_cache=3``), saved under ``run`` with an index.jsonl and read
+    by the kshapes detector: (images, seconds per image of each batch, the detector's records)."""
+    from PIL import Image
+
+    from rapiddiff.eval.common import write_jsonl
+    from rapiddiff.eval.knowledge import score_run
+
+    times, outs = [], []
+    for start in range(0, len(jobs), args.batch):
+        batch = jobs[start : start + args.batch]
+        t0 = time.perf_counter()
+        res = pipe(
+            [r["text"] for r, _ in batch],
+            seed=[s for _, s in batch],
+            output_type="np",
+            progress=False,
+            scheduler=args.scheduler,
+            num_inference_steps=args.steps,
+            **switch,
+        )
+        times.append((time.perf_counter() - t0) / len(batch))
+        outs.extend(list(res.images))
+    run.mkdir(exist_ok=True)
+    index = []
+    for k, ((row, seed), img) in enumerate(zip(jobs, outs, strict=True)):
+        name = f"{k:04d}-{seed}.png"
+        Image.fromarray((img * 255).round().astype("uint8")).save(run / name)
+        index.append({"file": name, "seed": seed, **row})
+    write_jsonl(run / "index.jsonl", index)
+    return outs, times, score_run(run, workers=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -103,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from rapiddiff.eval.common import write_jsonl
-    from rapiddiff.eval.knowledge import score_run
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.models.bundle import builtin_model_dir
     from rapiddiff.models.deep_cache import DeepCache
@@ -130,33 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.intervals:
         full_calls[0] = 0
         cached_before = controller.cached_evaluations
-        times, outs = [], []
-        for start in range(0, len(jobs), args.batch):
-            batch = jobs[start : start + args.batch]
-            t0 = time.perf_counter()
-            res = pipe(
-                [r["text"] for r, _ in batch],
-                seed=[s for _, s in batch],
-                output_type="np",
-                progress=False,
-                deep_cache=n,
-                scheduler=args.scheduler,
-                num_inference_steps=args.steps,
-            )
-            times.append((time.perf_counter() - t0) / len(batch))
-            outs.extend(list(res.images))
+        outs, times, records = generate_and_score(pipe, jobs, out / f"interval_{n}", args, deep_cache=n)
         images[n] = outs
-        run = out / f"interval_{n}"
-        run.mkdir(exist_ok=True)
-        index = []
-        for k, ((row, seed), img) in enumerate(zip(jobs, outs, strict=True)):
-            name = f"{k:04d}-{seed}.png"
-            from PIL import Image
-
-            Image.fromarray((img * 255).round().astype("uint8")).save(run / name)
-            index.append({"file": name, "seed": seed, **row})
-        write_jsonl(run / "index.jsonl", index)
-        records = score_run(run, workers=0)
         detections[n] = [(r["detected_colour"], r["detected_shape"]) for r in records]
         acc = {
             k: 100.0 * sum(r[f"{k}_ok"] for r in records) / len(records) for k in ("colour", "shape", "both")

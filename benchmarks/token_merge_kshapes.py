@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
     import torch
-    from PIL import Image
 
-    from rapiddiff.eval.common import write_jsonl
-    from rapiddiff.eval.knowledge import score_run
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.models.bundle import builtin_model_dir
     from rapiddiff.models.token_merge import TokenMerge, check_ratio
@@ -128,31 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[float, dict[str, Any]] = {}
     records: dict[float, list[dict[str, Any]]] = {}
     for ratio in ratios:
-        times, outs = [], []
-        for start in range(0, len(jobs), args.batch):
-            batch = jobs[start : start + args.batch]
-            t0 = time.perf_counter()
-            res = pipe(
-                [r["text"] for r, _ in batch],
-                seed=[s for _, s in batch],
-                output_type="np",
-                progress=False,
-                token_merge=ratio,
-                scheduler=args.scheduler,
-                num_inference_steps=args.steps,
-            )
-            times.append((time.perf_counter() - t0) / len(batch))
-            outs.extend(list(res.images))
+        outs, times, records[ratio] = dc.generate_and_score(
+            pipe, jobs, out / f"ratio_{ratio:g}", args, token_merge=ratio
+        )
         images[ratio] = outs
-        run = out / f"ratio_{ratio:g}"
-        run.mkdir(exist_ok=True)
-        index = []
-        for k, ((row, seed), img) in enumerate(zip(jobs, outs, strict=True)):
-            name = f"{k:04d}-{seed}.png"
-            Image.fromarray((img * 255).round().astype("uint8")).save(run / name)
-            index.append({"file": name, "seed": seed, **row})
-        write_jsonl(run / "index.jsonl", index)
-        records[ratio] = score_run(run, workers=0)
         acc = {}
         for key in ("colour", "shape", "both"):
             per_seed = [
