@@ -14,13 +14,9 @@ from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 from rapiddiff.infer.png import read_png_metadata
 from rapiddiff.models.bundle import load_model_folder
 from rapiddiff.models.deep_cache import DeepCache, deep_modules, full_steps
+from tests.infer.helpers import psnr, task_inputs
 
 GEN = {"seed": 3, "output_type": "np", "progress": False, "knowledge": False}
-
-
-def _psnr(a, b) -> float:
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
 
 
 def _counting(module: torch.nn.Module) -> list[int]:
@@ -81,7 +77,7 @@ def test_n1_is_the_exact_pipeline_and_n_gt_1_runs_the_full_unet_ceil_steps_over_
         assert deep[0] == math.ceil(7 / n) == len(full_steps(7, n)), n
         assert shallow[0] == 7  # the shallow branch runs at every step
         assert out.metadata[0]["deep_cache"] == n
-        assert 15 < _psnr(out.images, exact.images) < math.inf, n  # approximate, not broken
+        assert 15 < psnr(out.images, exact.images) < math.inf, n  # approximate, not broken
     # PNDM evaluates the U-Net len(timesteps) times (one more than the steps): the rule counts evaluations.
     for scheduler, evaluations in (("pndm", 8), ("dpm++", 7)):
         deep[0] = shallow[0] = 0
@@ -90,18 +86,7 @@ def test_n1_is_the_exact_pipeline_and_n_gt_1_runs_the_full_unet_ceil_steps_over_
 
 
 def test_batches_img2img_inpaint_and_knowledge_work(pipe, knowledge_model, tmp_path):
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "init.png")
-    mask = np.zeros((16, 16), np.uint8)
-    mask[:, 8:] = 255
-    Image.fromarray(mask, "L").save(tmp_path / "mask.png")
-    tasks = {
-        "txt2img": {},
-        "img2img": {"init_image": tmp_path / "init.png", "strength": 0.6},
-        "inpaint": {"init_image": tmp_path / "init.png", "mask_image": tmp_path / "mask.png"},
-    }
+    tasks = task_inputs(tmp_path)
     kw = {"num_inference_steps": 5, "output_type": "np", "progress": False, "knowledge": False}
     for task, extra in tasks.items():
         batch = pipe("一个番茄", seed=[4, 9], num_images_per_prompt=2, deep_cache=2, **kw, **extra)
@@ -109,7 +94,7 @@ def test_batches_img2img_inpaint_and_knowledge_work(pipe, knowledge_model, tmp_p
         exact = pipe("一个番茄", seed=9, **kw, **extra)
         # An image depends on its seed and settings, not on its batch.
         np.testing.assert_allclose(batch.images[1], alone.images[0], atol=1e-5, err_msg=task)
-        assert _psnr(alone.images, exact.images) < math.inf, task
+        assert psnr(alone.images, exact.images) < math.inf, task
         assert batch.metadata[1]["deep_cache"] == 2
     know = RapidDiffusionPipeline.from_pretrained(knowledge_model)
     on = know("一个番茄", seed=1, deep_cache=3, **{**kw, "knowledge": True})
@@ -233,5 +218,5 @@ def test_gpu_graph_loop_gives_the_eager_deep_cache_image(tiny_folders, compiled)
     fast = accelerate(RapidDiffusionPipeline.from_pretrained(folder, device="cuda"), config)
     for _ in range(2):  # capture, then replay
         out = fast("一个番茄", deep_cache=3, **kw)
-        assert _psnr(out.images, expected.images) > 30
+        assert psnr(out.images, expected.images) > 30
     assert fast.report["loop"] == "graph"

@@ -21,13 +21,9 @@ from rapiddiff.models.token_merge import (
     merged_blocks,
     unmerge,
 )
+from tests.infer.helpers import psnr, task_inputs
 
 GEN = {"seed": 3, "output_type": "np", "progress": False, "knowledge": False}
-
-
-def _psnr(a, b) -> float:
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
 
 
 @pytest.fixture
@@ -104,26 +100,15 @@ def test_merged_run_differs_but_stays_close_and_repeats_for_a_seed(pipe):
     assert tokens == [8] * 6 * len(blocks)  # every evaluation, every block: 16 − int(0.5·16)
     again = pipe("一个番茄", num_inference_steps=6, scheduler="ddim", token_merge=0.5, **GEN)
     np.testing.assert_array_equal(out.images, again.images)  # deterministic for a seed (CPU)
-    assert 20 < _psnr(out.images, exact.images) < math.inf
+    assert 20 < psnr(out.images, exact.images) < math.inf
     stronger = pipe("一个番茄", num_inference_steps=6, scheduler="ddim", token_merge=0.75, **GEN)
-    assert _psnr(stronger.images, out.images) < math.inf
+    assert psnr(stronger.images, out.images) < math.inf
 
 
 def test_batches_img2img_inpaint_knowledge_and_lora_work(
     pipe, knowledge_model, tiny_folders, diffusers_lora, tmp_path
 ):
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "init.png")
-    mask = np.zeros((16, 16), np.uint8)
-    mask[:, 8:] = 255
-    Image.fromarray(mask, "L").save(tmp_path / "mask.png")
-    tasks = {
-        "txt2img": {},
-        "img2img": {"init_image": tmp_path / "init.png", "strength": 0.6},
-        "inpaint": {"init_image": tmp_path / "init.png", "mask_image": tmp_path / "mask.png"},
-    }
+    tasks = task_inputs(tmp_path)
     kw = {"num_inference_steps": 5, "output_type": "np", "progress": False, "knowledge": False}
     for task, extra in tasks.items():
         batch = pipe("一个番茄", seed=[4, 9], num_images_per_prompt=2, token_merge=0.5, **kw, **extra)
@@ -131,7 +116,7 @@ def test_batches_img2img_inpaint_knowledge_and_lora_work(
         exact = pipe("一个番茄", seed=9, **kw, **extra)
         # An image depends on its seed and settings, not on its batch.
         np.testing.assert_allclose(batch.images[1], alone.images[0], atol=1e-5, err_msg=task)
-        assert _psnr(alone.images, exact.images) < math.inf, task
+        assert psnr(alone.images, exact.images) < math.inf, task
         assert batch.metadata[1]["token_merge"] == 0.5
     know = RapidDiffusionPipeline.from_pretrained(knowledge_model)
     on = know("一个番茄", seed=1, token_merge=0.5, **{**kw, "knowledge": True})
@@ -321,7 +306,7 @@ def test_gpu_graph_loop_gives_the_eager_token_merge_image(tiny_folders, compiled
     fast = accelerate(RapidDiffusionPipeline.from_pretrained(folder, device="cuda"), config)
     for _ in range(2):  # capture, then replay
         out = fast("一个番茄", token_merge=0.5, **kw)
-        assert _psnr(out.images, expected.images) > 30
+        assert psnr(out.images, expected.images) > 30
         assert out.metadata[0]["token_merge"] == 0.5
     assert fast.report["loop"] == "graph"
     # every one of PNDM's 7 evaluations took its own destination pattern on the GPU

@@ -185,7 +185,10 @@ def test_variant_grammar():
     }
     assert parse_variant("rapiddiff+compile_vae=none,max_graphs=3") == {"compile_vae": None, "max_graphs": 3}
     for bad, message in [
-        ("turbo", "choose from eager, recipe, rapiddiff, rapiddiff-fp8, rapiddiff-tome or rapiddiff\\+KEY=VALUE"),
+        (
+            "turbo",
+            "choose from eager, recipe, rapiddiff, rapiddiff-fp8, rapiddiff-tome or rapiddiff\\+KEY=VALUE",
+        ),
         ("rapiddiff+", "choose from"),
         ("rapiddiff+warp=9", "unknown switch 'warp'.*autotune"),
         ("rapiddiff+autotune=max", "autotune must be one of off, convs, gemm, all"),
