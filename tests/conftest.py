@@ -17,6 +17,19 @@ os.environ.setdefault("PYSTOW_HOME", tempfile.mkdtemp(prefix="rapiddiff-pystow-"
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests skip, with the reason, where torch sees no CUDA device (CI, this machine):
+    one rule here instead of a skipif beside every marker."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seeded_torch():
     import torch

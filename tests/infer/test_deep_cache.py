@@ -205,7 +205,6 @@ def test_the_branch_is_the_first_down_layer_and_its_mirror(pipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_graph_loop_gives_the_eager_deep_cache_image(tiny_folders, compiled):
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate

@@ -25,12 +25,7 @@ from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
 from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 from tests.infer.test_parity import TASKS, _ours
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)"
-    ),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 TUNED_COMPILE = {"compile_unet": "default", "compile_vae": "default", "loop": "graph"}
 # Each switch alone (from everything off), then the shipped defaults without / with compile.

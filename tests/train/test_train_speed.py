@@ -137,7 +137,6 @@ def test_speed_switches_that_cannot_work_together_say_why(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)")
 def test_captured_step_matches_the_plain_step_on_the_gpu(data: Path, store: Path, tmp_path: Path) -> None:
     steps = GRAPH_WARMUP_STEPS + 5
     gpu = ["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", f"--model.knowledge={store}"]
