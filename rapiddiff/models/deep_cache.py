@@ -26,16 +26,15 @@ runs through them (and ``torch.compile`` sees one stable function object per mod
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from rapiddiff.models.unet_hooks import UNetHooks
 
 if TYPE_CHECKING:
     from torch import nn
 
 FULL, REPLAY = "full", "replay"
-
-_CONTROLLERS: weakref.WeakKeyDictionary[Any, DeepCache] = weakref.WeakKeyDictionary()
 
 
 def check_interval(value: Any, where: str = "deep_cache") -> int:
@@ -52,27 +51,18 @@ def full_steps(evaluations: int, interval: int) -> list[int]:
     return list(range(0, evaluations, interval))
 
 
-class DeepCache:
+class DeepCache(UNetHooks):
     """The cache controller of one U-Net; get it with :meth:`of` (one per U-Net)."""
 
     def __init__(self, unet: nn.Module, layer: int = 0) -> None:
+        super().__init__()
         self.mode = FULL
         self.store: dict[int, Any] = {}
         self.full_evaluations = 0  # counters over the controller's life (tests, benchmarks)
         self.cached_evaluations = 0
-        self._installed = False
-        self._calls = 0  # U-Net calls in this run, for stepped()
-        self._wrapped: list[tuple[nn.Module, Callable[..., Any]]] = [
+        self._wrapped = [
             (module, self._wrapper(key, module)) for key, module in enumerate(deep_modules(unet, layer))
         ]
-
-    @classmethod
-    def of(cls, unet: nn.Module) -> DeepCache:
-        """The controller of ``unet`` (made on first use; the wrappers are built once)."""
-        controller = _CONTROLLERS.get(unet)
-        if controller is None:
-            controller = _CONTROLLERS[unet] = cls(unet)
-        return controller
 
     def _wrapper(self, key: int, module: nn.Module) -> Callable[..., Any]:
         inner = module.forward
@@ -101,31 +91,17 @@ class DeepCache:
     def active(self, interval: int) -> Iterator[Callable[[int], None]]:
         """Install the wrappers for one sampling run; yields ``step(i)`` to call before evaluation i."""
         check_interval(interval)
-        if self._installed:
-            raise RuntimeError("DeepCache: this U-Net is already in a cached run (runs cannot nest)")
-        for module, wrapper in self._wrapped:
-            module.forward = wrapper
-        self._installed, self.mode, self._calls = True, FULL, 0
-        try:
-            yield lambda index: self.begin(index, interval)
-        finally:
-            for module, _ in self._wrapped:
-                del module.forward  # back to the class's forward: the exact path is untouched
-            self._installed, self.mode = False, FULL
-            self.store.clear()
+        with self.installed("DeepCache: this U-Net is already in a cached run (runs cannot nest)"):
+            self.mode = FULL
+            try:
+                yield lambda index: self.begin(index, interval)
+            finally:
+                self.mode = FULL
+                self.store.clear()
 
     def stepped(self, fn: Callable[..., Any], interval: int, evaluations: int) -> Callable[..., Any]:
-        """``fn`` (a U-Net call) that first calls ``begin(i)``, i counting its calls since
-        :meth:`active` began, modulo ``evaluations``: for a loop that makes exactly ``evaluations``
-        calls per run, in order (the GPU-resident loop; a graph capture warms up, then records,
-        and its replays call no Python)."""
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.begin(self._calls % evaluations, interval)
-            self._calls += 1
-            return fn(*args, **kwargs)
-
-        return call
+        """``fn`` with :meth:`begin` before each call (:meth:`UNetHooks.counted`)."""
+        return self.counted(fn, evaluations, lambda index: self.begin(index, interval))
 
 
 def deep_modules(unet: nn.Module, layer: int = 0) -> list[nn.Module]:

@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from rapiddiff.models.unet_hooks import UNetHooks
 
 if TYPE_CHECKING:
     import torch
@@ -54,9 +55,8 @@ if TYPE_CHECKING:
 
 RATIO_MAX = 0.75  # 1 − 1/(sx·sy): at most every source token of each 2×2 cell is merged
 SX = SY = 2
+BUSY = "token merging: this U-Net is already in a merged run (runs cannot nest)"
 PATTERN_SEED = 1_000_003  # destination patterns: evaluation i uses manual_seed(PATTERN_SEED + i)
-
-_CONTROLLERS: weakref.WeakKeyDictionary[Any, TokenMerge] = weakref.WeakKeyDictionary()
 
 
 def check_ratio(value: Any, where: str = "token_merge") -> float:
@@ -180,10 +180,11 @@ def level_grid(h: int, w: int, level: int) -> tuple[int, int]:
     return h, w
 
 
-class TokenMerge:
+class TokenMerge(UNetHooks):
     """The token-merging controller of one U-Net; get it with :meth:`of` (one per U-Net)."""
 
     def __init__(self, unet: nn.Module) -> None:
+        super().__init__()
         blocks, self.level = merged_blocks(unet)
         self.ratio = 0.0
         self.grid: tuple[int, int] = (0, 0)
@@ -192,21 +193,10 @@ class TokenMerge:
         self.num_dst = 0
         self.perm: torch.Tensor | None = None  # this evaluation's destination pattern, on the device
         self._patterns: dict[tuple, torch.Tensor] = {}  # kept: a captured graph reads them
-        self._installed = False
-        self._calls = 0
-        self._wrapped: list[tuple[nn.Module, Callable[..., Any]]] = []
         for block in blocks:
             cell: list[Any] = [None]  # the block's merge plan, from its wrapper to its attn1's
             self._wrapped.append((block, self._block_wrapper(block, cell)))
             self._wrapped.append((block.attn1, self._attn_wrapper(block.attn1, cell)))
-
-    @classmethod
-    def of(cls, unet: nn.Module) -> TokenMerge:
-        """The controller of ``unet`` (made on first use; the wrappers are built once)."""
-        controller = _CONTROLLERS.get(unet)
-        if controller is None:
-            controller = _CONTROLLERS[unet] = cls(unet)
-        return controller
 
     def _block_wrapper(self, module: nn.Module, cell: list[Any]) -> Callable[..., Any]:
         inner = module.forward
@@ -269,34 +259,24 @@ class TokenMerge:
         """Install the wrappers for one sampling run on ``size`` (h, w) latents on ``device``;
         yields ``step(i)`` to call before evaluation i."""
         check_ratio(ratio)
-        if self._installed:
-            raise RuntimeError("token merging: this U-Net is already in a merged run (runs cannot nest)")
+        if self._installed:  # before the run's settings change
+            raise RuntimeError(BUSY)
         h, w = level_grid(int(size[0]), int(size[1]), self.level)
         n = h * w
         self.ratio, self.grid, self.device = ratio, (h, w), device
         self.num_dst = (h // SY) * (w // SX)
         self.r = min(int(n * ratio), n - self.num_dst)
-        for module, wrapper in self._wrapped:
-            module.forward = wrapper
-        self._installed, self._calls, self.perm = True, 0, None
-        try:
-            yield self.begin
-        finally:
-            for module, _ in self._wrapped:
-                del module.forward  # back to the class's forward: the exact path is untouched
-            self._installed, self.perm = False, None
+        with self.installed(BUSY):
+            self.perm = None
+            try:
+                yield self.begin
+            finally:
+                self.perm = None
 
     def stepped(self, fn: Callable[..., Any], evaluations: int) -> Callable[..., Any]:
-        """``fn`` (a U-Net call) that first calls ``begin(i)``, i counting its calls since
-        :meth:`active` began, modulo ``evaluations`` (the GPU-resident loop: a graph capture warms
-        up, which makes every pattern, then records; its replays call no Python)."""
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.begin(self._calls % evaluations)
-            self._calls += 1
-            return fn(*args, **kwargs)
-
-        return call
+        """``fn`` with :meth:`begin` before each call (:meth:`UNetHooks.counted`; a graph
+        capture's warm-up makes every pattern before it records)."""
+        return self.counted(fn, evaluations, self.begin)
 
 
 __all__ = [
