@@ -23,6 +23,36 @@ def test_safetensors_round_trip(tmp_path):
         torch.testing.assert_close(loaded[key], tensors[key])
 
 
+def test_streamed_safetensors_read_back_with_safetensors_own_reader(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(2, 5).to(torch.bfloat16),
+        "f16_view": torch.randn(4, 6).half()[:, ::2],  # not contiguous
+        "i64": torch.arange(7),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+    }
+    save_safetensors(tensors, tmp_path / "w.safetensors", metadata={"format": "test"})
+    loaded = load_file(str(tmp_path / "w.safetensors"))
+    assert loaded.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "test"}
+
+
+def test_safetensors_refuses_what_the_format_cannot_hold(tmp_path):
+    with pytest.raises(ValueError, match="complex64"):
+        save_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "z.safetensors")
+    with pytest.raises(ValueError, match="strings"):
+        save_safetensors({"a": torch.ones(1)}, tmp_path / "m.safetensors", metadata={"n": 3})
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
 def test_plain_torch_state_dict_loads(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pth")
     torch.testing.assert_close(load_weights(tmp_path / "w.pth")["w"], torch.ones(2))
