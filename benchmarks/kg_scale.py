@@ -5,7 +5,8 @@ a graph of that shape and measures each step on it:
 
     python benchmarks/kg_scale.py generate --out DIR [--entities 16000000 --triples 140000000]
     python benchmarks/kg_scale.py train --kg DIR --device cuda [--epochs 2 --batch-size 1048576]
-    python benchmarks/kg_scale.py store --store DIR/store          # open, look up, relation table
+    python benchmarks/kg_scale.py save --kg DIR                    # a store as kg train writes one (untrained vectors; needs generate --ids)
+    python benchmarks/kg_scale.py store --store DIR/store [--cold]  # open, look up, relation table, names
     python benchmarks/kg_scale.py link --kg DIR                    # EntityLinker over every name
     python benchmarks/kg_scale.py reltable [--pairs 140000000] [--from-store DIR]   # relation table
 
@@ -73,7 +74,9 @@ def entity_names(n: int, seed: int) -> list[str]:
     return list(names)[:n]
 
 
-def generate(out: Path, n_entities: int, n_triples: int, n_relations: int, seed: int) -> dict[str, Any]:
+def generate(
+    out: Path, n_entities: int, n_triples: int, n_relations: int, seed: int, save_ids: bool = False
+) -> dict[str, Any]:
     import numpy as np
 
     from rapiddiff.kg.triples import write_triples_array
@@ -94,6 +97,8 @@ def generate(out: Path, n_entities: int, n_triples: int, n_relations: int, seed:
     rels = (n_relations * rng.random(n_triples) ** 2).astype(np.int64)
     ids = np.stack([heads, rels, tails], axis=1)
     del heads, tails, rels, tail_rank
+    if save_ids:  # for `save`: the same ids without parsing the 6 GB TSV (ids index entities.txt)
+        np.save(out / "triples.ids.npy", ids, allow_pickle=False)
     t1 = time.perf_counter()
     file = out / "triples.tsv"
     write_triples_array(file, ids, names, relations, header="head\trelation\ttail (benchmarks/kg_scale.py)")
@@ -216,43 +221,259 @@ def _current_rss_gb() -> float:
 
 
 def store_step(args: argparse.Namespace) -> dict[str, Any]:
-    import random
+    """Open a saved store in this fresh process and touch each part once, in the order a user
+    meets them: open, look names up, read vectors, the triples and fusion's relation table (what
+    a CLIP or U-Net training with this store does at setup), one entity's facts (prompt
+    expansion), all names. Each step: wall and CPU seconds, RSS after and peak during it. With
+    ``--cold`` the store's files are first dropped from the page cache (posix_fadvise on our own
+    files), so the open and first reads come from disk."""
+    import statistics
 
-    import torch  # noqa: F401  (imported first: opening is timed, importing torch is not)
+    folder = Path(args.store)
+    report: dict[str, Any] = {"store": str(folder)}
+    report["store_files"] = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
+    if args.cold:
+        _drop_from_page_cache(folder)
+    report["fresh_interpreter"] = _fresh_open_seconds(folder)
+    if args.cold:
+        _drop_from_page_cache(folder)
+    with _phase(report, "import torch + rapiddiff.kg.store"):
+        import numpy as np
+        import torch
 
-    from rapiddiff.kg.store import KnowledgeStore
+        from rapiddiff.kg.store import KnowledgeStore
+    with _phase(report, "KnowledgeStore.load"):
+        store = KnowledgeStore.load(folder)
+    report["entities"], report["dim"] = len(store), store.dim
+    with _phase(report, "first id_of (maps the name index)"):
+        trie, index_ids = store._name_index()
+        first_name = trie.restore_key(0)
+        first = store.id_of(first_name)
+    assert first == int(index_ids[0])
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, len(trie), args.lookups).tolist()
+    queries = [trie.restore_key(k) for k in keys]  # random names, without reading entities.tsv
+    expected = [int(index_ids[k]) for k in keys]
 
-    t0 = time.perf_counter()
-    store = KnowledgeStore.load(args.store)
-    report: dict[str, Any] = {"open_seconds": round(time.perf_counter() - t0, 4), "entities": len(store)}
-    t0 = time.perf_counter()
-    names = store.entity_names
-    report["names_seconds"] = round(time.perf_counter() - t0, 2)
-    rng = random.Random(0)
-    queries = [names[rng.randrange(len(names))] for _ in range(1000)]
-    t0 = time.perf_counter()
-    first = store.id_of(queries[0])
-    report["first_lookup_seconds"] = round(time.perf_counter() - t0, 4)
-    t0 = time.perf_counter()
-    ids = [store.id_of(q) for q in queries]
-    report["lookup_ms"] = round((time.perf_counter() - t0) / len(queries) * 1e3, 4)
-    assert first == ids[0] and all(names[i] == q for i, q in zip(ids, queries, strict=True))
+    def each_ms(fn: Any) -> tuple[list[Any], dict[str, float]]:
+        results, times = [], []
+        for q in queries:
+            t0 = time.perf_counter()
+            results.append(fn(q))
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return results, {
+            "mean_ms": round(statistics.fmean(times), 4),
+            "median_ms": round(times[len(times) // 2], 4),
+            "p99_ms": round(times[int(len(times) * 0.99)], 4),
+            "max_ms": round(times[-1], 4),
+        }
+
+    with _phase(report, f"{args.lookups} id_of (name -> id)") as entry:
+        found, entry["each"] = each_ms(store.id_of)
+    assert found == expected, "id_of disagrees with the saved index"
+    with _phase(report, "first vector read (one row of the memory-mapped table)") as entry:
+        row = store.entity_vectors[expected[0]].clone()
+    with _phase(report, f"{args.lookups} vector (name -> vector, copied out)") as entry:
+        vectors, entry["each"] = each_ms(lambda q: store.vector(q).clone())
+    assert torch.equal(vectors[0], row)
+    del vectors
+    with _phase(report, f"the same {args.lookups} vector lookups again (their pages now cached)") as entry:
+        _, entry["each"] = each_ms(lambda q: store.vector(q).clone())
     if not args.skip_triples:
-        from rapiddiff.models.fusion import relation_table
+        from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion, relation_table
 
-        t0 = time.perf_counter()
-        triples = store.triples
-        report["triples"] = len(triples)
-        report["triples_read_seconds"] = round(time.perf_counter() - t0, 1)
-        keys = triples[:, 0] * len(store.relation_names) + triples[:, 1]
-        report["triples_grouped_by_head_relation"] = bool((keys[1:] >= keys[:-1]).all())
-        del keys
-        t0, c0 = time.perf_counter(), time.process_time()
-        table = relation_table(triples, len(store), 8)
-        report["relation_table_seconds"] = round(time.perf_counter() - t0, 2)
-        report["relation_table_cpu_seconds"] = round(time.process_time() - c0, 2)
-        report["relation_table_shape"] = list(table.shape)
+        with _phase(report, "triples (first access)") as entry:
+            triples = store.triples
+            entry["triples"] = len(triples)
+        with _phase(report, "triples grouped check") as entry:
+            keys64 = triples[:, 0] * len(store.relation_vectors) + triples[:, 1]
+            entry["grouped_by_head_relation"] = bool((keys64[1:] >= keys64[:-1]).all())
+            del keys64
+        with _phase(report, "relation_table (fusion, max 8 relations)") as entry:
+            table = relation_table(triples, len(store), 8)
+            entry["shape"] = list(table.shape)
+            entry["heads_with_relations"] = int((table[:, 0] >= 0).sum())
+        del table
+        with _phase(report, "KnowledgeFusion.set_knowledge (CPU: table + buffers, as set_store does)"):
+            fusion = KnowledgeFusion(FusionConfig(kg_dim=store.dim, hidden_size=64, num_layers=1))
+            fusion.set_knowledge(store.entity_vectors, store.relation_vectors, triples)
+        del fusion
+        with _phase(report, "first facts(id) (prompt expansion)") as entry:
+            entry["facts"] = len(store.facts(expected[0]))
+        with _phase(report, f"{args.lookups} facts(id)") as entry:
+            _, entry["each"] = each_ms(lambda q: store.facts(store.id_of(q)))
+        del triples
+    with _phase(report, "entity_names (all names and aliases)"):
+        names = store.entity_names
+    assert all(names[i] == q for i, q in zip(expected, queries, strict=True))
+    del names
+    if args.linker:
+        from rapiddiff.kg.linker import EntityLinker
+
+        with _phase(report, "EntityLinker.from_store (what set_store builds)") as entry:
+            linker = EntityLinker.from_store(store)
+            entry["surface_forms"] = len(linker)
     return report
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return -1
+
+
+@contextlib.contextmanager
+def _phase(report: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
+    """Wall and CPU seconds of a step, the process's RSS after it and its peak during it (the
+    kernel's high-water mark VmHWM, reset at the start through /proc/self/clear_refs)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    entry: dict[str, Any] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    yield entry
+    entry["seconds"] = round(time.perf_counter() - t0, 4)
+    entry["cpu_seconds"] = round(time.process_time() - c0, 3)
+    entry["rss_gb"] = round(_status_kb("VmRSS") / 2**20, 2)
+    entry["peak_rss_gb"] = round(_status_kb("VmHWM") / 2**20, 2)
+    report[name] = entry
+    print(f"[kg_scale] {name}: {json.dumps(entry)}", flush=True)
+
+
+def save_step(args: argparse.Namespace) -> dict[str, Any]:
+    """Write a KnowledgeStore of the generated graph as ``rapiddiff kg train`` writes one, without
+    training: names labelled as pykeen labels them (sorted by code point), the triples distinct
+    and in (head, relation, tail) id order (what ``_to_store`` hands over), dim-``--dim`` float32
+    vectors drawn at random — untrained: the format's save/open/lookup timings do not depend on
+    the values — then ``KnowledgeStore.from_arrays(...).save(DIR)``, the two calls ``_to_store``
+    and ``train_transe`` make. Needs ``generate --ids`` (the ids, without parsing the TSV)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+
+    from rapiddiff.kg import store as store_module
+    from rapiddiff.kg.store import KnowledgeStore
+    from rapiddiff.kg.triples import group_triples
+
+    kg, out = Path(args.kg), Path(args.store or Path(args.kg) / "store")
+    report: dict[str, Any] = {
+        "dim": args.dim,
+        "vectors": "untrained (random) vectors: the format's timings do not depend on the values",
+    }
+    with _phase(report, "read names + ids"):
+        names = (kg / "entities.txt").read_text(encoding="utf-8").split("\n")[:-1]
+        ids = np.load(kg / "triples.ids.npy", mmap_mode="r")
+        n_relations = int(ids[:, 1].max()) + 1
+    with _phase(report, "label as pykeen (sorted names) + group triples"):
+        order = pc.sort_indices(pa.array(names, pa.large_string())).to_numpy()  # code-point order
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        names = [names[i] for i in order.tolist()]
+        del order
+        labelled = np.empty(ids.shape, dtype=np.int64)
+        for begin in range(0, len(ids), 1 << 24):
+            block = ids[begin : begin + (1 << 24)]
+            labelled[begin : begin + len(block), 0] = rank[block[:, 0]]
+            labelled[begin : begin + len(block), 1] = block[:, 1]
+            labelled[begin : begin + len(block), 2] = rank[block[:, 2]]
+        del rank, ids, block  # block: the last slice keeps the ids file mapped (3.4 GB resident)
+        triples = group_triples(labelled, len(names), n_relations)
+        del labelled
+    report["entities"], report["relations"], report["triples"] = len(names), n_relations, len(triples)
+    with _phase(report, "random vectors"):
+        rng = np.random.default_rng(0)
+        entity_vectors = torch.from_numpy(rng.standard_normal((len(names), args.dim), dtype=np.float32))
+        relation_vectors = torch.from_numpy(rng.standard_normal((n_relations, args.dim), dtype=np.float32))
+    relation_names = [f"关系{i:03d}" for i in range(n_relations)]  # as `generate` names them
+    with _phase(report, "from_arrays"):
+        store = KnowledgeStore.from_arrays(
+            names, relation_names, entity_vectors, relation_vectors, triples=torch.from_numpy(triples)
+        )
+    del names, triples, entity_vectors, relation_vectors
+    # The save's parts: its compute steps timed by wrapping them, each file's completion by its
+    # modification time (every file is written atomically, in this order).
+    parts: dict[str, Any] = {}
+    wrapped = [
+        (store_module, "group_triples"),
+        (store_module, "write_triples_array"),
+        (KnowledgeStore, "_name_index"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in wrapped]
+
+    def timing(attr: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = fn(*a, **k)
+            parts[attr] = {
+                "seconds": round(time.perf_counter() - t0, 2),
+                "cpu_seconds": round(time.process_time() - c0, 2),
+            }
+            return result
+
+        return wrapper
+
+    for owner, attr, fn in saved:
+        setattr(owner, attr, timing(attr, fn))
+    started = time.time()
+    try:
+        with _phase(report, "save"):
+            store.save(out)
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    files = sorted(out.iterdir(), key=lambda f: f.stat().st_mtime)
+    previous = started
+    report["save_files"] = {}
+    for f in files:
+        mtime = f.stat().st_mtime
+        report["save_files"][f.name] = {
+            "bytes": f.stat().st_size,
+            "wall_seconds_since_previous_file": round(mtime - previous, 2),
+        }
+        previous = mtime
+    report["save_parts"] = parts
+    report["store_bytes"] = sum(f.stat().st_size for f in files)
+    report["store"] = str(out)
+    return report
+
+
+def _drop_from_page_cache(folder: Path) -> None:
+    """Ask the kernel to forget the cached pages of this store's files (our files only), so an
+    open and first reads are measured as from disk."""
+    for f in folder.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _fresh_open_seconds(folder: Path) -> dict[str, float]:
+    """A new interpreter: from its start to ``KnowledgeStore.load`` done, torch's import included."""
+    import subprocess
+
+    code = (
+        "import sys, time; t0 = time.perf_counter()\n"
+        "from rapiddiff.kg.store import KnowledgeStore\n"
+        "t1 = time.perf_counter(); s = KnowledgeStore.load(sys.argv[1]); t2 = time.perf_counter()\n"
+        "i = s.id_of(s._name_index()[0].restore_key(0)); t3 = time.perf_counter()\n"
+        "print(t1 - t0, t2 - t1, t3 - t2)"
+    )
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder)], check=True, capture_output=True, text=True
+    ).stdout
+    whole = time.perf_counter() - t0
+    imp, load, first = map(float, out.split())
+    return {
+        "process_seconds": round(whole, 3),
+        "import_seconds": round(imp, 3),
+        "load_seconds_incl_torch_import": round(load, 4),
+        "first_id_of_seconds": round(first, 4),
+    }
 
 
 def link_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -403,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--triples", type=int, default=140_000_000)
     g.add_argument("--relations", type=int, default=200)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ids", action="store_true", help="also DIR/triples.ids.npy (int64, for `save`)")
     t = sub.add_parser("train", help="rapiddiff kg train on DIR/triples.tsv → DIR/store")
     t.add_argument("--kg", type=Path, required=True)
     t.add_argument("--device", default="auto")
@@ -416,6 +638,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("store", help="open a store, look names up, build fusion's relation table")
     s.add_argument("--store", type=Path, required=True)
     s.add_argument("--skip-triples", action="store_true")
+    s.add_argument("--lookups", type=int, default=1000)
+    s.add_argument("--cold", action="store_true", help="drop the store's files from the page cache first")
+    s.add_argument("--linker", action="store_true", help="also build the EntityLinker over every name")
+    v = sub.add_parser("save", help="a store of DIR's graph as `kg train` writes one, untrained vectors")
+    v.add_argument("--kg", type=Path, required=True)
+    v.add_argument("--store", type=Path, help="where (default DIR/store)")
+    v.add_argument("--dim", type=int, default=64)
     k = sub.add_parser("link", help="EntityLinker over DIR/entities.txt: build memory and speed")
     k.add_argument("--kg", type=Path, required=True)
     k.add_argument("--entities", type=int, help="only the first N names")
@@ -432,11 +661,13 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     if args.step == "generate":
-        report = generate(args.out, args.entities, args.triples, args.relations, args.seed)
+        report = generate(args.out, args.entities, args.triples, args.relations, args.seed, args.ids)
     elif args.step == "train":
         report = train(args)
     elif args.step == "store":
         report = store_step(args)
+    elif args.step == "save":
+        report = save_step(args)
     elif args.step == "reltable":
         report = reltable_step(args)
     else:

@@ -10,10 +10,14 @@ Folder layout (the contract of DESIGN.md / COMMON.md)::
                                        distinct, in (head, relation, tail) id order since
                                        2026-11-23 (earlier stores: any order; both read alike)
     config.json                        dim, model, counts, training config and held-out metrics
+    names.marisa, names.ids.npy        optional name index (see NAME_INDEX below)
+    triples.ids.npy                    optional: triples.tsv as int64 store ids [T, 3], same order
+                                       (since 2026-11-23; see TRIPLE_IDS below)
 
 Loading never unpickles: text, JSON and safetensors only. The vector files are memory-mapped
 (copy-on-write), and names and triples are read on first use, so a store of millions of
-entities opens in milliseconds and pages in only what is touched.
+entities opens in milliseconds and pages in only what is touched; the triples too are mapped
+from their id copy where the store has one, instead of parsed from triples.tsv.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ CONFIG = "config.json"
 # entities answers id_of() in microseconds right after load().
 NAME_INDEX = "names.marisa"
 NAME_INDEX_IDS = "names.ids.npy"
+# Triple ids (optional; written by save() after triples.tsv, which stays the readable source of
+# truth): the same rows as int64 store ids, memory-mapped on first use. Parsing a triples.tsv of
+# 140 M lines takes minutes and ~30 GB of memory (its names, then a dictionary of 16 M of them);
+# this file maps in milliseconds. Used only while triples.tsv keeps the size recorded in
+# config.json ("triples_tsv_bytes"), so a hand-edited triples.tsv is read instead.
+TRIPLE_IDS = "triples.ids.npy"
 _KEY = "embeddings"
 
 
@@ -173,8 +183,8 @@ class KnowledgeStore:
             for i, name in enumerate(self.relation_names):
                 f.write(f"{i}\t{name}\n")
         meta = {"format": "rapiddiff.KnowledgeStore"}
-        save_safetensors({_KEY: self.entity_vectors}, path / ENTITY_EMBEDDINGS, metadata=meta)
-        save_safetensors({_KEY: self.relation_vectors}, path / RELATION_EMBEDDINGS, metadata=meta)
+        save_safetensors({_KEY: self.entity_vectors.float()}, path / ENTITY_EMBEDDINGS, metadata=meta)
+        save_safetensors({_KEY: self.relation_vectors.float()}, path / RELATION_EMBEDDINGS, metadata=meta)
         # Grouped by (head, relation) and distinct on disk, so every reader of the store gets its
         # facts in order (fusion's relation table then skips its sort); the store in memory takes
         # the same order, so it equals what load() reads back.
@@ -191,6 +201,8 @@ class KnowledgeStore:
             self.relation_names,
             header="head\trelation\ttail",
         )
+        with atomic_open(path / TRIPLE_IDS, "wb") as f:
+            np.save(f, np.ascontiguousarray(grouped, dtype=np.int64), allow_pickle=False)
         trie, ids = self._name_index()
         with atomic_open(path / NAME_INDEX, "wb") as f:
             trie.write(f)
@@ -203,6 +215,7 @@ class KnowledgeStore:
             "n_entities": len(self),
             "n_relations": len(self.relation_names),
             "n_triples": len(self.triples),
+            "triples_tsv_bytes": (path / TRIPLES).stat().st_size,
         }
         atomic_write_text(path / CONFIG, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
         self.config = config
@@ -283,6 +296,9 @@ class KnowledgeStore:
         if not file.is_file():
             log.warning("%s: no %s; the store has no facts", self.path, TRIPLES)
             return torch.empty(0, 3, dtype=torch.long)
+        saved = self._saved_triple_ids(file)
+        if saved is not None:
+            return saved
         import numpy as np
 
         from rapiddiff.kg.triples import KGFormatError, read_triples_array
@@ -306,6 +322,44 @@ class KnowledgeStore:
                 )
             columns.append(to_ours[ids[:, column]])
         return torch.from_numpy(np.stack(columns, axis=1))
+
+    def _saved_triple_ids(self, tsv: Path) -> torch.Tensor | None:
+        """The triples from TRIPLE_IDS, memory-mapped copy-on-write; None (read ``tsv``) where the
+        store has none, or it does not match triples.tsv and config.json (a warning says why)."""
+        assert self.path is not None
+        file = self.path / TRIPLE_IDS
+        if not file.is_file():
+            return None  # a store written before 2026-11-23, or the file deleted: the TSV is read
+        import numpy as np
+        import torch
+
+        expected_rows = self.config.get("n_triples")
+        expected_bytes = self.config.get("triples_tsv_bytes")
+        problem = None
+        if expected_bytes != tsv.stat().st_size:
+            problem = f"{tsv.name} has {tsv.stat().st_size} bytes, config.json says {expected_bytes}"
+        else:
+            try:
+                ids = np.load(file, mmap_mode="c", allow_pickle=False)
+            except (ValueError, OSError) as err:
+                problem = f"not a readable .npy file ({err})"
+            else:
+                if ids.dtype != np.int64 or ids.ndim != 2 or ids.shape[1] != 3:
+                    problem = f"holds {ids.dtype} {list(ids.shape)}, not int64 [T, 3]"
+                elif ids.shape[0] != expected_rows:
+                    problem = f"holds {ids.shape[0]} triples, config.json says {expected_rows}"
+        if problem is not None:
+            log.warning(
+                "%s: %s; reading %s instead (delete %s, or save the store again, to stop this warning)",
+                file,
+                problem,
+                tsv.name,
+                TRIPLE_IDS,
+            )
+            return None
+        if len(ids) == 0:
+            return torch.empty(0, 3, dtype=torch.long)
+        return torch.from_numpy(ids)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -376,12 +430,23 @@ class KnowledgeStore:
         import torch
 
         if self._facts is None:
-            trip = self.triples
-            order = torch.argsort(trip[:, 0], stable=True)
-            self._facts = (trip[order], trip[order, 0].contiguous())
-        rows, heads = self._facts
-        lo = int(torch.searchsorted(heads, entity_id, side="left"))
-        hi = int(torch.searchsorted(heads, entity_id, side="right"))
+            rows = self.triples
+            heads = rows[:, 0]
+            if len(rows) > 1 and bool((heads[1:] < heads[:-1]).any()):
+                order = torch.argsort(heads, stable=True)  # a store not (yet) saved: any order
+                rows = rows[order]
+                heads = rows[:, 0]
+            # One offset per entity into the head-ordered rows (8 bytes an entity), rather than a
+            # sorted copy of the heads beside the triples: a saved store's rows are already in
+            # head order, so at 140 M facts this is one counting pass over the mapped file.
+            offsets = torch.zeros(len(self) + 1, dtype=torch.long)
+            if len(rows):
+                torch.cumsum(torch.bincount(heads, minlength=len(self)), 0, out=offsets[1:])
+            self._facts = (rows, offsets)
+        rows, offsets = self._facts
+        if not 0 <= entity_id < len(offsets) - 1:
+            return []
+        lo, hi = int(offsets[entity_id]), int(offsets[entity_id + 1])
         return [(int(r), int(t)) for _, r, t in rows[lo:hi].tolist()]
 
     def vector(self, name_or_alias: str) -> torch.Tensor:

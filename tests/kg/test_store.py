@@ -193,10 +193,11 @@ def test_store_written_before_with_unsorted_triples_reads_the_same(tmp_path: Pat
         names, relations, torch.randn(60, 4), torch.randn(7, 4), triples=triples
     )
     folder = store.save(tmp_path / "kg")
-    # as the earlier save wrote it: the ids in the given order, repeats included
+    # as the earlier save wrote it: the ids in the given order, repeats included, no id copy
     write_triples_array(
         folder / "triples.tsv", triples.numpy(), names, relations, header="head\trelation\ttail"
     )
+    (folder / "triples.ids.npy").unlink()
     loaded = KnowledgeStore.load(folder)
     first = list(dict.fromkeys(map(tuple, triples.tolist())))  # file order, first occurrences
     assert loaded.triples.tolist() == [list(t) for t in first]
@@ -205,3 +206,87 @@ def test_store_written_before_with_unsorted_triples_reads_the_same(tmp_path: Pat
     # saving it again writes it grouped
     again = KnowledgeStore.load(loaded.save(tmp_path / "kg2"))
     assert again.triples.tolist() == sorted(list(t) for t in first)
+
+
+def test_triples_are_memory_mapped_from_their_id_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save() writes triples.ids.npy beside triples.tsv; load() maps it instead of parsing the TSV
+    (minutes and tens of GB at 140 M triples); a store without it (written before) reads the TSV
+    and gives the same triples, facts and relation table."""
+    import rapiddiff.kg.triples as triples_module
+    from rapiddiff.kg.store import TRIPLE_IDS
+    from rapiddiff.models.fusion import relation_table
+
+    names, relations, triples = _shuffled_kg(2)
+    store = KnowledgeStore.from_arrays(
+        names, relations, torch.randn(60, 4), torch.randn(7, 4), triples=triples
+    )
+    folder = store.save(tmp_path / "kg")
+    assert (folder / TRIPLE_IDS).is_file()
+
+    def no_parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("triples.tsv was parsed although the store has its id copy")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(triples_module, "read_triples_array", no_parse)
+        mapped = KnowledgeStore.load(folder)
+        rows = mapped.triples
+        file = str((folder / TRIPLE_IDS).resolve())  # the rows lie in a mapping of that file
+        maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+        spans = [tuple(int(x, 16) for x in m[0].split("-")) for m in maps if len(m) >= 6 and m[5] == file]
+        assert any(lo <= rows.data_ptr() < hi for lo, hi in spans), "triples are not memory-mapped"
+        assert rows.dtype == torch.long and torch.equal(rows, store.triples)
+        facts = {h: mapped.facts(h) for h in range(61)}  # 60: out of range, no facts
+        table = relation_table(rows, 60, 3)
+    (folder / TRIPLE_IDS).unlink()  # now as a store saved before 2026-11-23
+    parsed = KnowledgeStore.load(folder)
+    assert torch.equal(parsed.triples, rows)
+    assert {h: parsed.facts(h) for h in range(61)} == facts and facts[60] == []
+    assert torch.equal(relation_table(parsed.triples, 60, 3), table)
+    assert sum(map(len, facts.values())) == len(rows)
+
+
+@pytest.mark.parametrize("damage", ["tsv edited", "wrong shape", "not npy"])
+def test_stale_or_damaged_triple_ids_fall_back_to_the_tsv(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import numpy as np
+
+    from rapiddiff.kg.store import TRIPLE_IDS
+
+    folder = _store().save(tmp_path / "kg")
+    tsv = folder / "triples.tsv"
+    if damage == "tsv edited":  # a fact added by hand: the id copy no longer says the same
+        tsv.write_text(tsv.read_text(encoding="utf-8") + "香蕉\t颜色\t红色\n", encoding="utf-8")
+    elif damage == "wrong shape":
+        np.save(folder / TRIPLE_IDS, np.zeros((3, 2), dtype=np.int64))
+    else:
+        (folder / TRIPLE_IDS).write_bytes(b"not a numpy file")
+    with caplog.at_level("WARNING"):
+        loaded = KnowledgeStore.load(folder)
+        rows = loaded.triples.tolist()
+    assert TRIPLE_IDS in caplog.text and "reading triples.tsv instead" in caplog.text
+    expected = [[0, 0, 1], [0, 1, 2], [3, 1, 2]] + ([[3, 0, 1]] if damage == "tsv edited" else [])
+    assert rows == expected
+
+
+def test_vector_files_are_safetensors_written_without_a_copy_in_memory(tmp_path: Path) -> None:
+    """save() streams the vector files; safetensors' own reader reads them back exactly, with the
+    metadata, and safetensors' own writer gives the same tensors through load()."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    store = _store()
+    folder = store.save(tmp_path / "kg")
+    for name, expected in (
+        ("entity_embeddings.safetensors", store.entity_vectors),
+        ("relation_embeddings.safetensors", store.relation_vectors),
+    ):
+        assert torch.equal(load_file(str(folder / name))["embeddings"], expected)
+        with safe_open(str(folder / name), "pt") as f:
+            assert f.metadata() == {"format": "rapiddiff.KnowledgeStore"}
+        save_file({"embeddings": expected}, str(folder / name))  # as a store written before
+    again = KnowledgeStore.load(folder)
+    assert torch.equal(again.entity_vectors, store.entity_vectors)
+    assert torch.equal(again.relation_vectors, store.relation_vectors)
