@@ -126,35 +126,8 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
     if name == "gpu_data+cache_text" and not text_frozen:
         return {"skipped": "the text side trains in this scene"}
     steps = args.warmup + args.steps
-    losses: list[torch.Tensor] = []
-    times: dict[str, float] = {}
-
-    class Probe(pl.Callback):
-        prof: Any = None
-
-        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
-            if trainer.global_step == args.warmup:
-                sync(device)
-                times["start"] = time.perf_counter()
-            if args.profile and trainer.global_step == steps:
-                from torch.profiler import ProfilerActivity, profile
-
-                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-                self.prof = profile(activities=acts)
-                self.prof.__enter__()
-                times["prof_start"] = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *_: Any) -> None:
-            losses.append(outputs["loss"].detach())  # read after the run: no sync per step
-            if trainer.global_step == steps:
-                sync(device)
-                times["end"] = time.perf_counter()
-            if self.prof is not None and trainer.global_step == steps + args.profile:
-                sync(device)
-                wall = (time.perf_counter() - times["prof_start"]) / args.profile
-                self.prof.__exit__(None, None, None)
-                write_profile(self.prof, Path(args.out) / f"profile_{scene}_{name}.txt", args.profile, wall)
-                self.prof = None
+    profile_path = Path(args.out) / f"profile_{scene}_{name}.txt" if args.profile else None
+    probe = step_probe(device, args.warmup, steps, args.profile, profile_path)
 
     pl.seed_everything(0, verbose=False)
     module = build_module(scene, variant, text_frozen)
@@ -175,24 +148,79 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[Probe()],
+        callbacks=[probe],
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.fit(module, datamodule=data)
-    seconds = times["end"] - times["start"]
+    seconds = probe.times["end"] - probe.times["start"]
     row = {
         "it_s": args.steps / seconds,
         "images_s": args.steps * args.batch * args.devices / seconds,  # all ranks
         "ms_per_step": 1000 * seconds / args.steps,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "losses": [float(x) for x in losses],
+        "losses": [float(x) for x in probe.losses],
     }
     del trainer, module
+    release(device)
+    return row
+
+
+def step_probe(
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    profile: int = 0,
+    profile_path: Path | None = None,
+    read_loss: bool = False,
+) -> Any:
+    """A callback that times steps ``warmup``..``steps`` (``.times["start"/"end"]``), keeps every
+    step's loss on the device (``.losses``, read after the run: no sync per step), and, with
+    ``profile_path``, profiles ``profile`` steps after the timed ones. ``read_loss`` reads each loss
+    on the host at the batch's end (the per-step sync a baseline may need)."""
+    import pytorch_lightning as pl
+
+    class StepProbe(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[torch.Tensor] = []
+            self.times: dict[str, float] = {}
+            self.prof: Any = None
+
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == warmup:
+                sync(device)
+                self.times["start"] = time.perf_counter()
+            if profile and profile_path is not None and trainer.global_step == steps:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                self.prof = torch_profile(activities=acts)
+                self.prof.__enter__()
+                self.times["prof_start"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *_: Any) -> None:
+            self.losses.append(outputs["loss"].detach())
+            if read_loss:
+                float(outputs["loss"])
+            if trainer.global_step == steps:
+                sync(device)
+                self.times["end"] = time.perf_counter()
+            if self.prof is not None and trainer.global_step == steps + profile:
+                sync(device)
+                wall = (time.perf_counter() - self.times["prof_start"]) / profile
+                self.prof.__exit__(None, None, None)
+                write_profile(self.prof, profile_path, profile, wall)
+                self.prof = None
+
+    return StepProbe()
+
+
+def release(device: torch.device) -> None:
+    """Free what a finished variant left, so the next one starts from an empty cache."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def write_profile(prof: Any, path: Path, steps: int, wall: float) -> None:

@@ -14,6 +14,14 @@ its knowledge is still injected. A model that can always read the entity's name 
 and ignores the KG; hiding the name makes it learn to read the injected knowledge, which is the
 only thing a held-out entity (a name never seen in training, i.e. untrained tokens) brings.
 
+Speed (``model.speed``, :class:`CLIPSpeed`): none of the switches changes what the model learns.
+``gpu_data`` decodes every training image once and keeps images and tokens on the GPU (the loader
+hands over indices only), ``fused_adamw`` (default on CUDA) is torch's one-kernel AdamW,
+``sync_every`` reads the non-finite-loss flag every N steps, ``cuda_graph`` replays the step's
+forward and backward as one CUDA graph. The step itself has no host sync: entity mentions are
+hidden with fixed-shape draws (:meth:`CLIPTraining.hide_entity_tokens`), and the temperature and
+gate are logged on logging steps only. ``tests/train/test_clip_speed.py`` compares the losses.
+
 Run: ``rapiddiff train clip --config configs/clip/kshapes.yaml [--trainer.max_steps=...]``;
 ``--ckpt_path=last`` (or a file) resumes exactly; the resolved config is saved beside the checkpoints.
 """
@@ -21,6 +29,8 @@ Run: ``rapiddiff train clip --config configs/clip/kshapes.yaml [--trainer.max_st
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,14 +39,48 @@ import torch.nn.functional as F
 
 from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
-from rapiddiff.train.common import RapidModule, run_cli
+from rapiddiff.train.common import FrozenGC, RapidModule, run_cli, use_fused_adamw
 from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.speed import GRAPH_WARMUP_STEPS, GraphedLoss
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 DEFAULT_IMAGE_SIZE = 128  # from scratch, when model.image_size is unset
 Freeze = Literal["none", "image", "text", "all_but_fusion"]
+
+
+@dataclass(frozen=True)
+class CLIPSpeed:
+    """How the CLIP step runs (none of these changes what the model learns)."""
+
+    gpu_data: bool = False
+    """Decode every training image once at the start (with the loader's workers) and keep the images
+    (uint8, exactly the loader's pixel values) and the captions' tokens on the GPU; every batch is
+    gathered there from the indices the (resumable) sampler draws, so no image crosses from the host
+    per step. Random horizontal flips (``data.dataset_options.hflip``) are then drawn on the GPU, same
+    chance; random crops are refused (they would be frozen at the first decode)."""
+    fused_adamw: bool | None = None
+    """torch's fused AdamW kernel. None (default): fused when every trained parameter is on a CUDA GPU,
+    as the U-Net stage's ``optim.fused``; false: foreach (the rounding of runs before 2026-11-23)."""
+    sync_every: int = 1
+    """Read the device's non-finite-loss flag every N steps instead of every step (the host queues the
+    next step while the GPU works). A NaN still stops the run before any checkpoint or the export
+    holds it (the flag is read before every save), up to N - 1 steps later. Above 1 the progress bar
+    shows no per-step loss (reading it is a sync); it is in the logs every log_every_n_steps. 1: every step."""
+    cuda_graph: bool = False
+    """Capture the step's forward, loss and backward (both towers, fusion, entity hiding) as one CUDA
+    graph after a few eager steps and replay it every step. One GPU only (not DDP: the gathered
+    negatives), no gradient accumulation, bf16 or fp32; batches must keep one shape (drop_last)."""
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(
+                f"speed.sync_every is a number of steps >= 1 (1: every step), got {self.sync_every}"
+            )
+
+
+_SPEED = CLIPSpeed()
 
 
 def _load_store(path: str) -> Any:
@@ -113,6 +157,7 @@ class CLIPTraining(RapidModule):
         fusion_lr: learning rate of the fusion module and gates (default: lr).
         weight_decay: AdamW weight decay (not on biases, norms, gates, temperature).
         warmup_steps: linear warm-up, then cosine decay to zero over the run.
+        speed: GPU-resident data, fused AdamW, deferred non-finite check, a CUDA-graph step.
     """
 
     def __init__(
@@ -137,6 +182,7 @@ class CLIPTraining(RapidModule):
         fusion_lr: float | None = None,
         weight_decay: float = 0.05,
         warmup_steps: int = 200,
+        speed: CLIPSpeed = _SPEED,
     ) -> None:
         super().__init__()
         if not 0.0 <= entity_token_dropout <= 1.0:
@@ -168,6 +214,12 @@ class CLIPTraining(RapidModule):
             self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
             self.model.text_encoder.mask_entity_mentions = mask_entity_mentions
         self._apply_freeze(freeze)
+        self.speed = speed
+        self.sync_every = speed.sync_every
+        self._tokenize: TokenMemo | None = None
+        self._resident: ResidentPairs | None = None  # speed.gpu_data: the training set on the device
+        self._graphed: GraphedLoss | None = None  # speed.cuda_graph, from step GRAPH_WARMUP_STEPS on
+        self._hide_ids: tuple[int, int, int] | None = None  # [MASK] id, random-id range (cached)
 
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:
@@ -216,7 +268,9 @@ class CLIPTraining(RapidModule):
             }
             for (is_fusion, no_decay), params in groups.items()
         ]
-        optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6)
+        fused = self.speed.fused_adamw
+        fused = use_fused_adamw(param_groups) if fused is None else fused
+        optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6, fused=fused or None)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = min(hp.warmup_steps, total // 2)
 
@@ -232,29 +286,59 @@ class CLIPTraining(RapidModule):
     def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
         # Tokenizing and linking are CPU string work: done here, once per batch, before the copy.
         # Memoised per caption (captions repeat every epoch); the same tensors tokenize() returns.
-        if getattr(self, "_tokenize", None) is None:
-            self._tokenize = TokenMemo(self.model.text_encoder.tokenize)
-        batch.update(self._tokenize(list(batch["text"])))
+        # (speed.gpu_data: training batches are positions; their tokens are on the device already.)
+        if "text" in batch:
+            batch.update(self._tokens(list(batch["text"])))
         return batch
 
-    def hide_entity_tokens(self, input_ids: torch.Tensor, token_entity_ids: torch.Tensor) -> torch.Tensor:
-        """Replace whole entity mentions, each with probability p, by [MASK] or random tokens."""
+    def _tokens(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        if self._tokenize is None:
+            self._tokenize = TokenMemo(self.model.text_encoder.tokenize)
+        return self._tokenize(captions)
+
+    def hide_entity_tokens(
+        self, input_ids: torch.Tensor, token_entity_ids: torch.Tensor, fixed_shapes: bool | None = None
+    ) -> torch.Tensor:
+        """Replace whole entity mentions, each with probability p, by [MASK] or random tokens.
+
+        One uniform number per mention decides whether it is hidden, a second whether by [MASK] or by
+        random tokens (half each), then one random id per token position. On the host the mentions
+        are counted (free there). On a GPU (``fixed_shapes``, default: where the ids are not on the
+        CPU) counting would be a host sync, so one number per token slot is drawn instead and
+        mention k reads number k. CUDA's Philox draws give element k the value of thread k, whatever
+        the draw's size, and advance the generator by the same offset, while the draw fits one pass
+        of the GPU's threads (SMs × threads per SM: 270 k on an H100; B·L is 8 k at batch 256): so
+        these are the numbers the counted draw gave, without the sync and with fixed shapes (a CUDA
+        graph can capture it). Only a GPU batch without any mention differs: it draws anyway (the
+        counted draw skipped), which shifts that one step's later draws (dropout).
+        """
         p = self.hparams.entity_token_dropout
+        if p == 0:
+            return input_ids
+        if fixed_shapes is None:
+            fixed_shapes = input_ids.device.type != "cpu"
         linked = token_entity_ids >= 0
-        if p == 0 or not linked.any():
+        if not fixed_shapes and not bool(linked.any()):
             return input_ids
         prev = F.pad(token_entity_ids[:, :-1], (1, 0), value=-1)
         starts = linked & (token_entity_ids != prev)
         span = (starts.flatten().cumsum(0) - 1).view_as(starts).clamp(min=0)  # mention index per token
-        n = int(starts.sum())
-        hide = torch.rand(n, device=input_ids.device) < p
-        use_mask = torch.rand(n, device=input_ids.device) < 0.5
-        tokenizer = self.model.text_encoder.tokenizer
-        mask_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
-        low = max(tokenizer.all_special_ids) + 1
-        random_ids = torch.randint(low, len(tokenizer), input_ids.shape, device=input_ids.device)
+        n = starts.numel() if fixed_shapes else int(starts.sum())
+        device = input_ids.device
+        hide = torch.rand(n, device=device) < p
+        use_mask = torch.rand(n, device=device) < 0.5
+        mask_id, low, high = self._hidden_ids()
+        random_ids = torch.randint(low, high, input_ids.shape, device=device)
         replacement = torch.where(use_mask[span], torch.full_like(input_ids, mask_id), random_ids)
         return torch.where(linked & hide[span], replacement, input_ids)
+
+    def _hidden_ids(self) -> tuple[int, int, int]:
+        """[MASK] (or [UNK]) and the range of random replacement ids (read from the tokenizer once)."""
+        if self._hide_ids is None:
+            tokenizer = self.model.text_encoder.tokenizer
+            mask = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
+            self._hide_ids = (int(mask), max(tokenizer.all_special_ids) + 1, len(tokenizer))
+        return self._hide_ids
 
     def _features(self, batch: dict[str, Any], train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = batch["input_ids"]
@@ -267,16 +351,105 @@ class CLIPTraining(RapidModule):
             image = self.all_gather(image, sync_grads=True).flatten(0, 1)
         return text, image
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def step_loss(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_entity_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+    ) -> torch.Tensor:
+        """Entity hiding → both towers → symmetric InfoNCE (the part of a step speed.cuda_graph captures)."""
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "token_entity_ids": token_entity_ids,
+            "pixel_values": pixel_values,
+        }
         text, image = self._features(batch, train=True)
-        loss = self.model.contrastive_loss(text, image)
+        return self.model.contrastive_loss(text, image)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self._resident is not None:  # speed.gpu_data: gathered on the device
+            batch = self._resident.batch(batch["position"])
+        inputs = [batch[k] for k in ("input_ids", "attention_mask", "token_entity_ids", "pixel_values")]
+        if self.speed.cuda_graph and self.global_step >= GRAPH_WARMUP_STEPS:
+            loss = self._graph_step(inputs)
+        else:
+            loss = self.step_loss(*inputs)
         self.check_finite(loss)
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(text))
-        self.log("train/logit_scale", self.model.logit_scale.exp(), batch_size=len(text))
-        fusion = self.model.text_encoder.fusion
-        if fusion is not None and self.model.text_encoder.knowledge:
-            self.log("train/gate", fusion.gates.abs().mean(), batch_size=len(text))
+        size = len(inputs[0])
+        # Lightning turns every prog_bar value into a Python number at every batch end (a host
+        # sync, progress bar shown or not): with sync_every > 1 the loss goes to the loggers
+        # and the plain progress lines on logging steps only.
+        self.log("train/loss", loss, prog_bar=self.sync_every == 1, batch_size=size)
+        if self._logging_step():
+            # Read by the loggers on logging steps only: not queued (nor stored) on the others.
+            self.log("train/logit_scale", self.model.logit_scale.detach().exp(), batch_size=size)
+            fusion = self.model.text_encoder.fusion
+            if fusion is not None and self.model.text_encoder.knowledge:
+                self.log("train/gate", fusion.gates.detach().abs().mean(), batch_size=size)
         return loss
+
+    def _logging_step(self) -> bool:
+        connector = getattr(self._trainer, "_logger_connector", None) if self._trainer is not None else None
+        return bool(getattr(connector, "should_update_logs", True))
+
+    # ------------------------------------------------------------------ speed: data and the captured step
+    def setup(self, stage: str) -> None:
+        if self.speed.cuda_graph:
+            self._check_graph_trainer()
+
+    def _check_graph_trainer(self) -> None:
+        trainer = self.trainer
+        if trainer.world_size > 1:
+            raise ValueError(
+                "speed.cuda_graph runs on one GPU: the CLIP step gathers every GPU's features for its "
+                "negatives, which a replay cannot do; set speed.cuda_graph: false for several GPUs"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "speed.cuda_graph overwrites gradients every step: set accumulate_grad_batches: 1"
+            )
+        if str(trainer.precision).startswith("16"):
+            raise ValueError("speed.cuda_graph does not capture fp16 loss scaling: use bf16-mixed or 32-true")
+
+    def _graph_step(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if self._graphed is None:
+            from torch.nn.modules.batchnorm import _BatchNorm
+
+            precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+            norms = [m for m in self.modules() if isinstance(m, _BatchNorm) and m.training]
+            self._graphed = GraphedLoss(
+                self.step_loss,
+                [p for p in self.parameters() if p.requires_grad],
+                autocast_dtype=torch.bfloat16
+                if precision.startswith("bf16") and "mixed" in precision
+                else None,
+                capture=inputs[0].device.type == "cuda",
+                buffers=[b for m in norms for b in m.buffers()],  # running statistics: updated once a step
+            )
+        return self._graphed(*inputs)
+
+    def configure_callbacks(self) -> list[Any]:
+        return [FrozenGC()]  # no full GC pauses in a host-bound step
+
+    def on_train_start(self) -> None:
+        if self.speed.gpu_data and self._resident is None:
+            loader = self.trainer.train_dataloader
+            dataset = getattr(loader, "dataset", None)
+            workers = getattr(self.trainer.datamodule, "num_workers", 0) if self._trainer else 0
+            started = time.perf_counter()
+            self._resident = ResidentPairs.build(
+                getattr(dataset, "source", dataset), self._tokens, self.device, loader.batch_size, workers
+            )
+            self.resident_seconds = time.perf_counter() - started
+            log.info(
+                "speed.gpu_data: %d images and their tokens on %s (%.2f GiB) in %.1f s",
+                len(self._resident.images),
+                self.device,
+                self._resident.nbytes() / 2**30,
+                self.resident_seconds,
+            )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         text, image = self._features(batch, train=False)
@@ -286,6 +459,74 @@ class CLIPTraining(RapidModule):
         acc = (sim.argmax(1) == target).float().mean()  # in-batch text→image top-1
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=len(text))
         self.log("val/t2i_acc", acc, sync_dist=True, batch_size=len(text))
+
+
+class ResidentPairs:
+    """The training set on the device (``speed.gpu_data``): every position's pixels — uint8, from
+    which the loader's float pixels are recomputed exactly (``u · (1/127.5) - 1``, the transform's
+    own arithmetic; float32 where a custom transform gives other values) — and its caption's tokens.
+    Positions are the dataset's: an item that failed to decode holds what the loader gave in its
+    place (the next good item), as the plain step would see it."""
+
+    def __init__(self, images: torch.Tensor, tokens: dict[str, torch.Tensor], hflip: bool) -> None:
+        self.images = images  # (N, 3, S, S) uint8 or float32
+        self.tokens = tokens  # {name: (N, L)}
+        self.hflip = hflip
+
+    @classmethod
+    @torch.no_grad()
+    def build(
+        cls, dataset: Any, tokenize: Any, device: torch.device, batch_size: int, workers: int
+    ) -> ResidentPairs:
+        from torch.utils.data import DataLoader
+
+        transform = getattr(dataset, "transform", None)
+        if getattr(transform, "crop", "center") == "random":
+            raise ValueError(
+                "speed.gpu_data decodes every image once, so a random crop would be the same crop every "
+                "epoch: set data.dataset_options.crop: center, or speed.gpu_data: false"
+            )
+        hflip = bool(getattr(transform, "hflip", False))
+        if hflip:  # decoded unflipped; the flips are drawn per step on the device
+            import copy
+
+            dataset = copy.copy(dataset)
+            dataset.transform = copy.copy(transform)
+            dataset.transform.hflip = False
+        loader = DataLoader(dataset, batch_size=batch_size or 64, num_workers=workers, shuffle=False)
+        images: list[torch.Tensor] = []
+        texts: list[str] = []
+        exact = True
+        for batch in loader:
+            pixels = batch["pixel_values"]  # (B, 3, S, S) in [-1, 1]
+            codes = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            exact = exact and torch.equal(pixels_of(codes), pixels)
+            images.append(codes if exact else pixels)
+            texts.extend(batch["text"])
+        if not exact:  # a transform whose values are not u/127.5 - 1: keep the floats themselves
+            log.info("speed.gpu_data: the images are not 8-bit levels; kept as float32")
+            images = [pixels_of(x) if x.dtype == torch.uint8 else x for x in images]
+        tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
+        return cls(torch.cat(images).to(device), tokens, hflip)
+
+    def nbytes(self) -> int:
+        tensors = [self.images, *self.tokens.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def batch(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Pixels (B, 3, S, S) float32 in [-1, 1] and the tokens (B, L) of these sampler positions."""
+        positions = positions.to(self.images.device, non_blocking=True)
+        pixels = self.images[positions]
+        pixels = pixels_of(pixels) if pixels.dtype == torch.uint8 else pixels
+        if self.hflip:  # the loader's transform flips each image with chance 1/2
+            flip = torch.rand(len(positions), device=pixels.device) < 0.5
+            pixels = torch.where(flip.view(-1, 1, 1, 1), pixels.flip(-1), pixels)
+        return {"pixel_values": pixels, **{k: v[positions] for k, v in self.tokens.items()}}
+
+
+def pixels_of(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit levels → [-1, 1] float32 with the loader's arithmetic (ImageTransform: × 1/127.5, − 1)."""
+    return codes.float().mul_(1.0 / 127.5).sub_(1.0)
 
 
 def cli_main(args: list[str] | None = None) -> None:

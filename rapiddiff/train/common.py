@@ -176,6 +176,47 @@ class RapidModule(pl.LightningModule):
     def on_train_end(self) -> None:
         self.flush_finite_check()  # before run_cli exports the model
 
+    # A stage with ``speed.cuda_graph`` sets ``_graphed`` (a :class:`rapiddiff.train.speed.GraphedLoss`)
+    # at its first captured step; from then on the replay writes the gradients itself.
+    _graphed: Any = None
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        from rapiddiff.train.speed import GRAPH_WARMUP_STEPS
+
+        if self._graphed is None or self.global_step < GRAPH_WARMUP_STEPS:
+            super().backward(loss, *args, **kwargs)
+        # else: the graph's replay already wrote the gradients.
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if self._graphed is None:
+            optimizer.zero_grad()
+            return
+        # The graph's gradients are its static buffers (overwritten by each replay): keep them.
+        graph_owned = self._graphed.param_ids  # built once, not every step
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in graph_owned:
+                    p.grad = None
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # Lightning refuses to clip for a fused AdamW under any AMP plugin (its check is about fp16
+        # loss scaling, which the fused kernel would undo); bf16 and fp32 have no scaler, so the
+        # clip is the same clip_grad_norm_ Lightning would run.
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        if not fused or not gradient_clip_val or str(self.trainer.precision).startswith("16"):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+
     def sample_images(self) -> torch.Tensor | None:
         """Images [N, 3, H, W] in [0, 1] for the validation grid (fixed inputs, fixed seeds)."""
         return None

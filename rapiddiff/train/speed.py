@@ -51,7 +51,9 @@ class SpeedConfig:
     """Read the device's non-finite-loss flag (and, on several GPUs, agree on a Ctrl-C) every N steps
     instead of every step, so the host queues the next step while the GPU works. A non-finite loss
     still stops the run before any checkpoint or export holds it (the flag is read before every
-    save), up to N - 1 steps after it happened; the error names the step. 1: read every step."""
+    save), up to N - 1 steps after it happened; the error names the step. Above 1 the progress bar
+    shows no per-step loss (reading it is a sync); it is in the logs every log_every_n_steps.
+    1: read every step."""
     cuda_graph: bool = False
     """Capture the step's forward, loss and backward (the U-Net's, and the text side's when fusion or
     the tower trains) as one CUDA graph after a few eager steps and replay it every step (one GPU or
@@ -129,6 +131,8 @@ class GraphedLoss:
     the CUDA generator's state at each replay, as an eager call would draw them (PyTorch's
     graph-safe Philox offsets), so a replay after ``torch.manual_seed(s)`` gives the eager numbers.
     With ``capture=False`` (CPU, tests) the same buffers are filled by an eager call.
+    ``buffers`` (BatchNorm running statistics) are put back after the untimed warm-up pass that
+    precedes the capture, so the capture step updates them once, as an eager step does.
     """
 
     def __init__(
@@ -138,8 +142,9 @@ class GraphedLoss:
         *,
         autocast_dtype: torch.dtype | None = None,
         capture: bool = True,
+        buffers: Sequence[torch.Tensor] = (),
     ) -> None:
-        self.loss_fn, self.params = loss_fn, list(params)
+        self.loss_fn, self.params, self.buffers = loss_fn, list(params), list(buffers)
         self.param_ids = frozenset(map(id, self.params))  # whose .grad the graph owns
         self.autocast_dtype, self.capture = autocast_dtype, capture
         self.graph: Any = None
@@ -166,12 +171,16 @@ class GraphedLoss:
         # One untimed pass on a side stream (handles, workspaces), with the RNG state put back so
         # the step that follows draws what the eager step would have drawn.
         rng = torch.cuda.get_rng_state(device)
+        saved = [b.detach().clone() for b in self.buffers]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             self._forward_backward()
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.set_rng_state(rng, device)
+        with torch.no_grad():
+            for buffer, value in zip(self.buffers, saved, strict=True):
+                buffer.copy_(value)
         self._clear_grads()
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: DataLoader threads may allocate pinned memory while this thread captures.

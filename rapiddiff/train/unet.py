@@ -291,7 +291,10 @@ class LatentDiffusion(RapidModule):
             context = text if isinstance(text, torch.Tensor) else self.text_forward(text)  # (B, L, D)
             loss = self.denoising_loss(latents, context)
         self.check_finite(loss)
-        self.log("train/loss", loss, prog_bar=True)
+        # Lightning turns every prog_bar value into a Python number at every batch end (a host
+        # sync, progress bar shown or not): with sync_every > 1 the loss goes to the loggers
+        # and the plain progress lines on logging steps only.
+        self.log("train/loss", loss, prog_bar=self.sync_every == 1)
         return loss
 
     def denoising_loss(self, latents: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -358,9 +361,7 @@ class LatentDiffusion(RapidModule):
         return self._graphed(latents, *inputs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self._graphed is None or self.global_step < GRAPH_WARMUP_STEPS:
-            super().backward(loss, *args, **kwargs)
-        # else: the graph's replay already wrote the gradients.
+        super().backward(loss, *args, **kwargs)  # RapidModule's: skipped once the graph replays
         if self.speed.cuda_graph and self._trainer is not None and self.trainer.world_size > 1:
             self._all_reduce_grads()
 
@@ -394,9 +395,6 @@ class LatentDiffusion(RapidModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        # Lightning refuses to clip for a fused AdamW under any AMP plugin (its check is about fp16
-        # loss scaling, which the fused kernel would undo); bf16 and fp32 have no scaler, so the
-        # clip is the same clip_grad_norm_ Lightning would run.
         if gradient_clip_val and self._fsdp():
             # A shard's norm is not the model's: the root FSDP unit reduces it over the ranks.
             if gradient_clip_algorithm in (None, "norm"):
@@ -404,26 +402,7 @@ class LatentDiffusion(RapidModule):
             else:
                 torch.nn.utils.clip_grad_value_(self.trainable_parameters(), gradient_clip_val)
             return
-        fused = any(group.get("fused") for group in optimizer.param_groups)
-        if not fused or not gradient_clip_val or str(self.trainer.precision).startswith("16"):
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if gradient_clip_algorithm in (None, "norm"):
-            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
-        else:
-            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
-        if self._graphed is None:
-            optimizer.zero_grad()
-            return
-        # The U-Net's gradients are the graph's static buffers (overwritten by each replay): keep them.
-        graph_owned = self._graphed.param_ids  # built once, not every step
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in graph_owned:
-                    p.grad = None
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """The same loss with noise and timesteps fixed per batch, so curves are comparable."""

@@ -173,3 +173,14 @@ def launch_train_unet(cwd: Path, argv: list[str], timeout: int = 400) -> subproc
         text=True,
         timeout=timeout,
     )
+
+
+class RecordProgressBarKeys(Callback):
+    """Writes the names in ``trainer.progress_bar_metrics`` after every optimizer step to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(" ".join(sorted(trainer.progress_bar_metrics)) + "\n")
