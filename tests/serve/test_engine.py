@@ -156,16 +156,28 @@ def test_graceful_shutdown_finishes_the_queue(tmp_path):
         results: list = []
 
         def post(seed: int) -> None:
-            body = {"prompt": "一只熊猫", "seed": seed}
+            # 20 steps: long enough that the worker is still busy when the third request arrives.
+            body = {"prompt": "一只熊猫", "seed": seed, "steps": 20}
             results.append(httpx.post(f"{url}/v1/images/generations", json=body, timeout=180).status_code)
 
+        def received() -> tuple[float, float]:
+            """(requests the server holds or has served, requests still queued)."""
+            text = httpx.get(f"{url}/metrics").text
+            queued = metric(text, 'rapiddiff_queue_depth{unit="requests"}')
+            return queued + metric(text, "rapiddiff_workers_busy") + metric(
+                text, "rapiddiff_images_total"
+            ), queued
+
         threads = [threading.Thread(target=post, args=(s,)) for s in range(3)]
-        for t in threads:
-            t.start()
         deadline = time.monotonic() + 60
-        while metric(httpx.get(f"{url}/metrics").text, 'rapiddiff_queue_depth{unit="requests"}') < 1:
-            assert time.monotonic() < deadline, "nothing queued"
-            time.sleep(0.05)
+        # One at a time, each until the server has it: a SIGTERM before the last request has
+        # connected would refuse it (a loaded machine may start a thread late).
+        for count, t in enumerate(threads, start=1):
+            t.start()
+            while (state := received())[0] < count:
+                assert time.monotonic() < deadline, f"request {count} never reached the server"
+                time.sleep(0.02)
+        assert state[1] >= 1, "the first requests finished before the last one arrived"
         proc.send_signal(signal.SIGTERM)  # while requests are queued
         for t in threads:
             t.join(timeout=180)
