@@ -202,3 +202,21 @@ def test_save_takes_the_index_from_the_per_user_cache(
     monkeypatch.setattr(linker_module, "_build_index", lambda *a: pytest.fail("built the index"))
     store.save(tmp_path / "store", linker=True)
     assert _links(EntityLinker.from_store(KnowledgeStore.load(tmp_path / "store"))) == expected
+
+
+def test_kg_info_says_whether_the_store_carries_its_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rapiddiff.cli import main
+
+    def linker_line(folder: Path) -> str:
+        assert main(["kg", "info", str(folder)]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("linker:"))
+
+    assert "no saved index" in linker_line(_store().save(tmp_path / "small"))
+    folder = _store().save(tmp_path / "large", linker=True)
+    assert "index saved in linker/" in linker_line(folder)
+    os.utime(folder / "entities.tsv", ns=(1, 1))  # touched, not changed: the sha256 still matches
+    assert "index saved in linker/" in linker_line(folder)
+    (folder / "linker" / "keys.marisa").write_bytes(b"")
+    assert "linker/ not used (damaged: keys.marisa has 0 bytes" in linker_line(folder)
