@@ -526,7 +526,7 @@ def _read_index_folder(folder: Path, meta: Mapping[str, Any]) -> _LinkerIndex:
             int(meta["longest"]),
             int(meta["clashes"]),
         )
-    except (OSError, KeyError, TypeError, ValueError, EOFError, RuntimeError) as err:
+    except (OSError, KeyError, TypeError, AttributeError, ValueError, EOFError, RuntimeError) as err:
         raise _UnusableIndex(f"damaged: {type(err).__name__}: {err}") from None
 
 
@@ -625,7 +625,8 @@ def read_store_index(store: KnowledgeStore) -> tuple[_LinkerIndex | None, str]:
         return None, f"no {STORE_INDEX}/ folder"
     try:
         meta = _read_index_meta(folder)
-        recorded = meta.get("about", {}).get("entities")
+        about = meta.get("about")
+        recorded = about.get("entities") if isinstance(about, dict) else None
         if not isinstance(recorded, dict):
             raise _UnusableIndex(f"damaged: {_INDEX_META} does not identify the store's names")
         try:

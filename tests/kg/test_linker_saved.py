@@ -142,6 +142,8 @@ def test_copied_store_keeps_its_index(monkeypatch: pytest.MonkeyPatch, tmp_path:
         ("code", "written by another linker version"),
         ("jieba", "written for another jieba dictionary"),
         ("keys", "damaged: 1 keys in index.json"),
+        ("bytes", "damaged: TypeError"),
+        ("about", "damaged: index.json does not identify the store's names"),
     ],
 )
 def test_damaged_or_foreign_index_rebuilds(
@@ -163,7 +165,8 @@ def test_damaged_or_foreign_index_rebuilds(
     elif action == "garble":
         meta_file.write_text(meta_file.read_text(encoding="utf-8")[:-20], encoding="utf-8")
     else:  # one field of index.json changed
-        meta[damage] = {"version": meta["version"] + 1, "code": "0" * 64, "keys": 1}.get(damage, ["jieba", 0])
+        changed = {"version": meta["version"] + 1, "code": "0" * 64, "keys": 1, "bytes": 5, "about": 5}
+        meta[damage] = changed.get(damage, ["jieba", 0])
         meta_file.write_text(json.dumps(meta), encoding="utf-8")
     assert _links(_rebuilt(tmp_path / "store", caplog, reason)) == expected
 
