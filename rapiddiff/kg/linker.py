@@ -604,12 +604,16 @@ def _entities_file(store_folder: Path, *, with_sha256: bool = True) -> dict[str,
 def write_store_index(store: KnowledgeStore, store_folder: Path) -> Path:
     """Write the linker's index of ``store``'s names and aliases into ``store_folder/linker``
     (:data:`STORE_INDEX`), after its entities.tsv: what :meth:`EntityLinker.from_store` loads
-    instead of reading every name. Taken from the per-user cache where it holds this lexicon's
-    index, else built (minutes and several GB at 16 M names); returns the folder."""
-    surfaces, ids = _lexicon(store.forms())
-    index = _cached_index(_cache_folder(surfaces, ids)) or _build_index(surfaces, ids)
-    del surfaces, ids
+    instead of reading every name. Taken from the linker/ of the folder ``store`` was loaded from
+    (``store.path``: the save's caller has not changed it yet) where it still describes the names,
+    else from the per-user cache where it holds this lexicon's index, else built (minutes and
+    several GB at 16 M names); returns the folder."""
     folder = store_folder / STORE_INDEX
+    index, _ = read_store_index(store)
+    if index is None:
+        surfaces, ids = _lexicon(store.forms())
+        index = _cached_index(_cache_folder(surfaces, ids)) or _build_index(surfaces, ids)
+        del surfaces, ids
     _write_index_folder(index, folder, {"entities": _entities_file(store_folder)})
     return folder
 

@@ -234,8 +234,8 @@ class KnowledgeStore:
         }
         atomic_write_text(path / CONFIG, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
         self.config = config
-        self.path = path  # what it holds is now this folder's: EntityLinker.from_store reads its index
-        # Last: the store is complete without it, should its build run out of memory.
+        # Last: the store is complete without it, should its build run out of memory. Taken from
+        # the folder the store was loaded from where that has a matching one (self.path, still).
         from rapiddiff.kg.linker import STORE_INDEX, write_store_index
 
         if len(self) >= LINKER_MIN_ENTITIES if linker is None else linker:
@@ -244,6 +244,7 @@ class KnowledgeStore:
             import shutil
 
             shutil.rmtree(path / STORE_INDEX)  # an earlier store's, in this folder
+        self.path = path  # what it holds is now this folder's: EntityLinker.from_store reads its index
         return path
 
     @classmethod

@@ -223,3 +223,19 @@ def test_kg_info_says_whether_the_store_carries_its_index(
     assert "index saved in linker/" in linker_line(folder)
     (folder / "linker" / "keys.marisa").write_bytes(b"")
     assert "linker/ not used (damaged: keys.marisa has 0 bytes" in linker_line(folder)
+
+
+@pytest.mark.parametrize("where", ["its own folder", "another folder"])
+def test_a_loaded_store_saved_again_takes_its_index_along(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
+) -> None:
+    """The index comes from the linker/ of the folder the store was loaded from (the per-user cache
+    holds none, nothing is built) and describes the entities.tsv written now."""
+    expected = _links(EntityLinker(list(_store().forms())))
+    folder = _store().save(tmp_path / "store", linker=True)
+    shutil.rmtree(tmp_path / "cache")
+    monkeypatch.setattr(linker_module, "_build_index", lambda *a: pytest.fail("built the index"))
+    target = folder if where == "its own folder" else tmp_path / "elsewhere"
+    KnowledgeStore.load(folder).save(target, linker=True)
+    _forbid_names(monkeypatch)
+    assert _links(EntityLinker.from_store(KnowledgeStore.load(target))) == expected
