@@ -347,7 +347,9 @@ def save_step(args: argparse.Namespace) -> dict[str, Any]:
     and in (head, relation, tail) id order (what ``_to_store`` hands over), dim-``--dim`` float32
     vectors drawn at random — untrained: the format's save/open/lookup timings do not depend on
     the values — then ``KnowledgeStore.from_arrays(...).save(DIR)``, the two calls ``_to_store``
-    and ``train_transe`` make. Needs ``generate --ids`` (the ids, without parsing the TSV)."""
+    and ``train_transe`` make. Needs ``generate --ids`` (the ids, without parsing the TSV). Since
+    2026-11-23 that save also writes the linker's index (``linker/``, stores of ≥ 100 k entities):
+    the figures in BENCHMARKS.md's 16 M save table were taken before, without it."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc

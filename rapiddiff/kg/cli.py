@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rapiddiff.kg.store import KnowledgeStore
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -99,8 +103,21 @@ def _info(args: argparse.Namespace) -> int:
     metrics = cfg.get("metrics")
     if metrics:
         print("metrics:    " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    print(f"linker:     {_linker_index_status(store)}")
     for i in range(min(3, len(store))):
         facts = store.facts(i)[:3]
         shown = ", ".join(f"{store.relation_names[r]} → {store.entity_names[t]}" for r, t in facts)
         print(f"  {store.entity_names[i]}: {shown or '(no facts as head)'}")
     return 0
+
+
+def _linker_index_status(store: KnowledgeStore) -> str:
+    """Whether the store carries its EntityLinker's index (``linker/``) and whether it is usable."""
+    from rapiddiff.kg.linker import STORE_INDEX, read_store_index
+
+    index, why = read_store_index(store)
+    if index is not None:
+        return f"index saved in {STORE_INDEX}/ ({len(index.trie)} keys): linking reads no names"
+    if store.path is not None and (store.path / STORE_INDEX).exists():
+        return f"{STORE_INDEX}/ not used ({why}): the index is built from the names"
+    return "no saved index: built from the names on first use (then cached per user)"

@@ -351,13 +351,25 @@ class _LinkerIndex:
     clashes: int
 
 
-# Bump when what _build_index computes changes. The cache key also carries a digest of the source
-# of this file, normalize.py and linker_dp.py (the head set's hash layout), so an edited linker
-# never reads an index an older one wrote.
-_INDEX_VERSION = 1
+# Bump when what _build_index computes, or how an index folder holds it, changes. An index also
+# records a digest of the source of this file, normalize.py and linker_dp.py (the head set's hash
+# layout), so an edited linker never reads an index an older one wrote.
+_INDEX_VERSION = 2
 # Cached indexes kept (the most recently used): each is ~6 MB for a small lexicon (jieba's words
 # dominate), ~12 bytes a form more for a large one.
 _KEEP_INDEXES = 8
+
+# An index as files in one folder: in the per-user cache (one folder per lexicon) and in a
+# KnowledgeStore folder (STORE_INDEX). The trie is memory-mapped, each array is a plain .npy
+# (never pickled), and index.json, written last, says what the index was built from and each
+# file's size: a complete index.json means a complete folder.
+STORE_INDEX = "linker"
+"""The folder of a KnowledgeStore that holds its linker's index (written by ``save`` for a large
+store, read by :meth:`EntityLinker.from_store`)."""
+_INDEX_META = "index.json"
+_TRIE_FILE = "keys.marisa"
+_ARRAYS = {"entity_ids": "<i4", "weights": "<f8", "heads": "<U2", "head_table": "<i8"}
+_MAPPED = {"entity_ids", "weights"}  # one entry a trie key: memory-mapped (copy-on-write)
 
 
 @functools.cache
@@ -388,51 +400,179 @@ def _lexicon_digest(surfaces: list[str], ids: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def _linker_index(pairs: Iterable[tuple[str, int]]) -> _LinkerIndex:
-    """The linker's index of ``pairs``, from the on-disk cache (:mod:`rapiddiff.kg.cache`) when it
-    holds one built from the same pairs, jieba dictionary, normalisation table and code; else built
-    and written there. Building it costs ~0.6 s for any lexicon (jieba's words), minutes for OpenKG's
-    16 M forms; reading it back, milliseconds (the trie is memory-mapped, like jieba's)."""
-    import zipfile
+def _index_sources() -> dict[str, Any]:
+    """What an index depends on besides its lexicon (as JSON reads it back): the format, the code,
+    marisa-trie, jieba's dictionary and the normalisation table."""
+    import json
     from importlib.metadata import version
 
-    import marisa_trie
-
-    from rapiddiff.kg.cache import cache_file
     from rapiddiff.kg.normalize import table_key
 
+    sources = {
+        "version": _INDEX_VERSION,
+        "code": _code_digest(),
+        "marisa_trie": version("marisa-trie"),
+        "jieba": _jieba_source(),
+        "normalize": table_key(),
+    }
+    return json.loads(json.dumps(sources))  # tuples as lists, as index.json holds them
+
+
+class _UnusableIndex(Exception):
+    """Why an index folder cannot be read (the message says it in a few words)."""
+
+
+# What a mismatch of each source means, for the log line.
+_SOURCE_MISMATCH = {
+    "version": "written by another linker version",
+    "code": "written by another linker version",
+    "marisa_trie": "written with another marisa-trie version",
+    "jieba": "written for another jieba dictionary",
+    "normalize": "written for another normalisation table",
+}
+
+
+def _write_index_folder(index: _LinkerIndex, folder: Path, about: Mapping[str, Any] | None = None) -> None:
+    """Write ``index`` into ``folder`` (each file atomically, index.json last). ``about`` goes into
+    index.json as it is (a store's: what identifies its names)."""
+    import json
+
+    from rapiddiff.utils.io import atomic_open, atomic_write_bytes, atomic_write_text
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / _INDEX_META).unlink(missing_ok=True)  # the folder is incomplete until it is written again
+    atomic_write_bytes(folder / _TRIE_FILE, index.trie.tobytes())
+    arrays = {
+        "entity_ids": index.entity_ids,
+        "weights": index.weights,
+        "heads": np.asarray(sorted(index.heads), dtype="<U2"),
+        "head_table": index.head_set[0],
+    }
+    for name, array in arrays.items():
+        with atomic_open(folder / f"{name}.npy", "wb") as f:
+            np.save(f, np.ascontiguousarray(array, dtype=_ARRAYS[name]), allow_pickle=False)
+    meta = {
+        "format": "rapiddiff.EntityLinker index",
+        **_index_sources(),
+        **({"about": dict(about)} if about else {}),
+        "keys": len(index.trie),
+        "longest": index.longest,
+        "clashes": index.clashes,
+        "single_character_forms": index.head_set[1],
+        "bytes": {f.name: f.stat().st_size for f in (folder / n for n in _index_files())},
+    }
+    atomic_write_text(folder / _INDEX_META, json.dumps(meta, ensure_ascii=False, indent=1) + "\n")
+
+
+def _index_files() -> list[str]:
+    return [_TRIE_FILE, *(f"{name}.npy" for name in _ARRAYS)]
+
+
+def _read_index_meta(folder: Path) -> dict[str, Any]:
+    """index.json of an index folder, checked against this process's sources; raises
+    :class:`_UnusableIndex` saying why it cannot be used."""
+    import json
+
+    try:
+        meta = json.loads((folder / _INDEX_META).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _UnusableIndex(f"no {_INDEX_META} (never written, or its write did not finish)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise _UnusableIndex(f"damaged: {_INDEX_META}: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != "rapiddiff.EntityLinker index":
+        raise _UnusableIndex(f"damaged: {_INDEX_META} is not a linker index's")
+    for key, expected in _index_sources().items():
+        if meta.get(key) != expected:
+            raise _UnusableIndex(_SOURCE_MISMATCH[key])
+    return meta
+
+
+def _read_index_folder(folder: Path, meta: Mapping[str, Any]) -> _LinkerIndex:
+    """The index in ``folder`` whose index.json ``meta`` (:func:`_read_index_meta`) was checked: the
+    trie and the per-key arrays memory-mapped, the rest read. Raises :class:`_UnusableIndex` on a
+    missing, truncated or inconsistent file; never returns a partial index."""
+    import marisa_trie
+
+    try:
+        sizes = meta["bytes"]
+        for name in _index_files():  # before mapping: a truncated trie must never be mapped
+            size = (folder / name).stat().st_size
+            if size != sizes[name]:
+                raise _UnusableIndex(f"damaged: {name} has {size} bytes, {_INDEX_META} says {sizes[name]}")
+        arrays = {}
+        for name, dtype in _ARRAYS.items():
+            array = np.load(
+                folder / f"{name}.npy", mmap_mode="c" if name in _MAPPED else None, allow_pickle=False
+            )
+            if array.dtype != np.dtype(dtype) or array.ndim != 1:
+                raise _UnusableIndex(f"damaged: {name}.npy holds {array.dtype} {list(array.shape)}")
+            arrays[name] = np.asarray(array)  # a plain ndarray over the mapping (numba's type)
+        trie = marisa_trie.Trie()
+        trie.mmap(str(folder / _TRIE_FILE))
+        keys = int(meta["keys"])
+        if not len(trie) == keys == len(arrays["entity_ids"]) == len(arrays["weights"]):
+            raise _UnusableIndex(
+                f"damaged: {keys} keys in {_INDEX_META}, {len(trie)} in the trie, "
+                f"{len(arrays['entity_ids'])} entity ids, {len(arrays['weights'])} weights"
+            )
+        heads = set(arrays["heads"].tolist())
+        head_set = (arrays["head_table"], bool(meta["single_character_forms"]))
+        return _LinkerIndex(
+            trie,
+            arrays["entity_ids"],
+            arrays["weights"],
+            heads,
+            head_set,
+            int(meta["longest"]),
+            int(meta["clashes"]),
+        )
+    except (OSError, KeyError, TypeError, AttributeError, ValueError, EOFError, RuntimeError) as err:
+        raise _UnusableIndex(f"damaged: {type(err).__name__}: {err}") from None
+
+
+def _lexicon(pairs: Iterable[tuple[str, int]]) -> tuple[list[str], np.ndarray]:
+    """(forms, int64 entity ids) of ``pairs``, in order."""
     surfaces: list[str] = []
     id_list: list[int] = []
     for surface, entity_id in pairs:
         surfaces.append(surface)
         id_list.append(int(entity_id))
-    ids = np.asarray(id_list, dtype=np.int64)
-    del id_list
-    key = (
-        "linker-index", _INDEX_VERSION, _code_digest(), version("marisa-trie"), *_jieba_source(),
-        table_key(), _lexicon_digest(surfaces, ids),
-    )  # fmt: skip
-    trie_file, arrays_file = cache_file("linker", key, ".marisa"), cache_file("linker", key, ".npz")
+    return surfaces, np.asarray(id_list, dtype=np.int64)
+
+
+def _cache_folder(surfaces: list[str], ids: np.ndarray) -> Path:
+    """The per-user cache's folder for the index of this lexicon (:mod:`rapiddiff.kg.cache`)."""
+    from rapiddiff.kg.cache import cache_file
+
+    key = ("linker-index", *_index_sources().values(), _lexicon_digest(surfaces, ids))
+    return cache_file("linker", key, "")
+
+
+def _cached_index(folder: Path) -> _LinkerIndex | None:
     try:
-        with np.load(arrays_file) as arrays:  # no pickle: plain arrays only
-            entity_ids, weights = arrays["entity_ids"], arrays["weights"]
-            heads = set(arrays["heads"].tolist())
-            head_set = (arrays["head_table"], bool(arrays["singles"]))
-            longest, clashes = int(arrays["longest"]), int(arrays["clashes"])
-        trie = marisa_trie.Trie()
-        trie.mmap(str(trie_file))
-        if len(trie) == len(entity_ids) == len(weights):
-            _touch(arrays_file)
-            return _LinkerIndex(trie, entity_ids, weights, heads, head_set, longest, clashes)
-    except (OSError, KeyError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
-        pass  # absent or damaged: build it again
+        index = _read_index_folder(folder, _read_index_meta(folder))
+    except _UnusableIndex:
+        return None  # absent or damaged: build it again
+    _touch(folder / _INDEX_META)
+    return index
+
+
+def _linker_index(pairs: Iterable[tuple[str, int]]) -> _LinkerIndex:
+    """The linker's index of ``pairs``, from the on-disk cache (:mod:`rapiddiff.kg.cache`) when it
+    holds one built from the same pairs, jieba dictionary, normalisation table and code; else built
+    and written there. Building it costs ~0.6 s for any lexicon (jieba's words), minutes for OpenKG's
+    16 M forms; reading it back, milliseconds (the trie and the per-key arrays are memory-mapped)."""
+    surfaces, ids = _lexicon(pairs)
+    folder = _cache_folder(surfaces, ids)
+    index = _cached_index(folder)
+    if index is not None:
+        return index
     index = _build_index(surfaces, ids)
     try:
-        trie_file.parent.mkdir(parents=True, exist_ok=True)
-        _write_index(index, trie_file, arrays_file)
-        _evict_indexes(trie_file.parent)
+        _write_index_folder(index, folder)
+        _evict_indexes(folder.parent)
     except OSError as err:  # a read-only home: correct, only slower
-        log.debug("cannot cache the linker's index in %s (%s)", trie_file.parent, err)
+        log.debug("cannot cache the linker's index in %s (%s)", folder, err)
     return index
 
 
@@ -448,21 +588,66 @@ def _build_index(surfaces: list[str], ids: np.ndarray) -> _LinkerIndex:
     return _LinkerIndex(trie, entity_ids, weights, heads, _head_set(heads), longest, clashes)
 
 
-def _write_index(index: _LinkerIndex, trie_file: Path, arrays_file: Path) -> None:
-    from rapiddiff.utils.io import atomic_open, atomic_write_bytes
+def _entities_file(store_folder: Path, *, with_sha256: bool = True) -> dict[str, Any]:
+    """What identifies a store's names: its entities.tsv's size, modification time and sha256."""
+    from rapiddiff.kg.store import ENTITIES
+    from rapiddiff.utils.io import file_sha256
 
-    atomic_write_bytes(trie_file, index.trie.tobytes())
-    with atomic_open(arrays_file, "wb") as f:  # written last: a complete .npz means a complete pair
-        np.savez(
-            f,
-            entity_ids=index.entity_ids,
-            weights=index.weights,
-            heads=np.asarray(sorted(index.heads), dtype="<U2"),
-            head_table=index.head_set[0],
-            singles=np.bool_(index.head_set[1]),
-            longest=np.int64(index.longest),
-            clashes=np.int64(index.clashes),
-        )
+    file = store_folder / ENTITIES
+    stat = file.stat()
+    found: dict[str, Any] = {"file": ENTITIES, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if with_sha256:
+        found["sha256"] = file_sha256(file)
+    return found
+
+
+def write_store_index(store: KnowledgeStore, store_folder: Path) -> Path:
+    """Write the linker's index of ``store``'s names and aliases into ``store_folder/linker``
+    (:data:`STORE_INDEX`), after its entities.tsv: what :meth:`EntityLinker.from_store` loads
+    instead of reading every name. Taken from the linker/ of the folder ``store`` was loaded from
+    (``store.path``: the save's caller has not changed it yet) where it still describes the names,
+    else from the per-user cache where it holds this lexicon's index, else built (minutes and
+    several GB at 16 M names); returns the folder."""
+    folder = store_folder / STORE_INDEX
+    index, _ = read_store_index(store)
+    if index is None:
+        surfaces, ids = _lexicon(store.forms())
+        index = _cached_index(_cache_folder(surfaces, ids)) or _build_index(surfaces, ids)
+        del surfaces, ids
+    _write_index_folder(index, folder, {"entities": _entities_file(store_folder)})
+    return folder
+
+
+def read_store_index(store: KnowledgeStore) -> tuple[_LinkerIndex | None, str]:
+    """(the index saved in ``store``'s folder, "") when it is there and describes the store's
+    names, else (None, why not). Reads no names; hashes entities.tsv only where its modification
+    time differs from the recorded one (a copied store)."""
+    if store.path is None:
+        return None, "the store has no folder (not loaded or saved)"
+    folder = store.path / STORE_INDEX
+    if not folder.is_dir():
+        return None, f"no {STORE_INDEX}/ folder"
+    try:
+        meta = _read_index_meta(folder)
+        about = meta.get("about")
+        recorded = about.get("entities") if isinstance(about, dict) else None
+        if not isinstance(recorded, dict):
+            raise _UnusableIndex(f"damaged: {_INDEX_META} does not identify the store's names")
+        try:
+            found = _entities_file(store.path, with_sha256=False)
+        except OSError as err:
+            raise _UnusableIndex(f"cannot read {recorded.get('file')}: {err}") from None
+        changed = f"{found['file']} changed since the index was written"
+        if found["bytes"] != recorded.get("bytes"):
+            raise _UnusableIndex(changed)
+        if (  # another modification time: a copied store (the same names) or an edited one
+            found["mtime_ns"] != recorded.get("mtime_ns")
+            and _entities_file(store.path)["sha256"] != recorded.get("sha256")
+        ):
+            raise _UnusableIndex(changed)
+        return _read_index_folder(folder, meta), ""
+    except _UnusableIndex as why:
+        return None, str(why)
 
 
 def _touch(file: Path) -> None:
@@ -475,10 +660,19 @@ def _touch(file: Path) -> None:
 
 def _evict_indexes(folder: Path) -> None:
     """Keep the :data:`_KEEP_INDEXES` most recently used linker indexes in the cache folder."""
-    files = sorted(folder.glob("linker-*.npz"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
-    for old in files[_KEEP_INDEXES:]:
-        for file in (old, old.with_suffix(".marisa")):
-            file.unlink(missing_ok=True)
+    import shutil
+
+    def used(index: Path) -> int:
+        try:
+            return (index / _INDEX_META).stat().st_mtime_ns
+        except OSError:
+            return 0  # incomplete: the first to go
+
+    indexes = sorted((f for f in folder.glob("linker-*") if f.is_dir()), key=used, reverse=True)
+    for old in indexes[_KEEP_INDEXES:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for old in itertools.chain(folder.glob("linker-*.npz"), folder.glob("linker-*.marisa")):
+        old.unlink(missing_ok=True)  # the one-file-pair layout of _INDEX_VERSION 1
 
 
 @dataclass(frozen=True)
@@ -503,13 +697,16 @@ class EntityLinker:
         ``word_check=False`` skips the jieba check (pure longest match), for ablations.
         """
         pairs = lexicon.items() if isinstance(lexicon, Mapping) else lexicon
-        index = _linker_index(pairs)
+        self._set_index(_linker_index(pairs), word_check)
+
+    def _set_index(self, index: _LinkerIndex, word_check: bool) -> None:
         self.trie, self.entity_ids, self._heads = index.trie, index.entity_ids, index.heads
         self.longest, clashes = index.longest, index.clashes
         self._forms = int((self.entity_ids >= 0).sum())
         self._ids = memoryview(self.entity_ids)  # indexing gives a Python int: 3x a numpy scalar
         # The segmentation weight of each trie key (see _LinkerIndex.weights); this linker fills
-        # in its forms' add_word weights as it meets them, so it keeps its own copy.
+        # in its forms' add_word weights as it meets them, so it keeps its own copy (a read index's
+        # is mapped copy-on-write: the filled-in pages are this process's).
         self._weights = index.weights
         self._scan_longest = max(self.longest, _jieba().longest)
         self._singles = {h for h in self._heads if len(h) == 1}  # one-character forms
@@ -520,9 +717,30 @@ class EntityLinker:
         self._frequencies: dict[str, float] = {}
 
     @classmethod
-    def from_store(cls, store: KnowledgeStore, **kwargs: Any) -> EntityLinker:
-        """Names first, then aliases, so a name always beats another entity's alias."""
-        return cls(store.forms(), **kwargs)
+    def from_store(cls, store: KnowledgeStore, *, word_check: bool = True) -> EntityLinker:
+        """A linker of the store's names and aliases (names first, so a name always beats another
+        entity's alias).
+
+        A store saved with its linker's index (``store_folder/linker``, what ``save`` writes for a
+        large store) gives it without a name read: the index is memory-mapped, in milliseconds.
+        Where the store has none, or it no longer describes the store (entities.tsv edited, another
+        linker version, a damaged file: logged at INFO), the index is built from the names as
+        ``EntityLinker(store.forms())`` builds it, through the per-user cache.
+        """
+        index, why = read_store_index(store)
+        if index is None:
+            if store.path is not None and (store.path / STORE_INDEX).exists():
+                log.info(
+                    "%s: not used (%s); building the linker's index from the names",
+                    store.path / STORE_INDEX,
+                    why,
+                )
+            else:
+                log.debug("%s: %s; the linker's index comes from the names", store.path, why)
+            return cls(store.forms(), word_check=word_check)
+        linker = cls.__new__(cls)
+        linker._set_index(index, word_check)
+        return linker
 
     def candidates(self, norm: str) -> list[tuple[int, int, int]]:
         """Every (start, end, entity_id) occurrence of a surface form in normalised text."""

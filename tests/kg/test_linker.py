@@ -359,7 +359,7 @@ def test_word_check_without_numba_keeps_the_same_spans(
     assert hasattr(linker_dp.check, "py_func")
 
 
-def _index_files(folder: Path) -> list[Path]:
+def _index_folders(folder: Path) -> list[Path]:
     return sorted(folder.glob("linker-*"))
 
 
@@ -373,7 +373,7 @@ def test_cached_index_is_the_built_one(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
     lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0, "大熊猫": 8, "蕃茄": 0}
     built = EntityLinker(lexicon)
-    assert len(_index_files(tmp_path)) == 2  # the trie and the arrays
+    assert len(_index_folders(tmp_path)) == 1  # the trie and the arrays, in one folder
     builds = []
     monkeypatch.setattr(linker_module, "_build_index", lambda *a: builds.append(a) or pytest.fail("rebuilt"))
     cached = EntityLinker(lexicon)
@@ -409,7 +409,7 @@ def test_changed_lexicon_never_reuses_an_old_index(monkeypatch: pytest.MonkeyPat
     # Order decides a clash (two forms that normalise alike): first pair wins, cache or not.
     assert EntityLinker([("番茄", 0), ("番茄", 5)]).link("番茄")[0].entity_id == 0
     assert EntityLinker([("番茄", 5), ("番茄", 0)]).link("番茄")[0].entity_id == 5
-    assert len(_index_files(tmp_path)) == 2 * 5
+    assert len(_index_folders(tmp_path)) == 5
 
 
 def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -420,11 +420,11 @@ def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPa
     EntityLinker({"番茄": 0})
     monkeypatch.setattr(linker_module, "_INDEX_VERSION", linker_module._INDEX_VERSION + 1)
     EntityLinker({"番茄": 0})
-    assert len(_index_files(tmp_path)) == 4
+    assert len(_index_folders(tmp_path)) == 2
     source = linker_module._jieba_source()
     monkeypatch.setattr(linker_module, "_jieba_source", lambda: (*source[:3], source[3] + 1))
     EntityLinker({"番茄": 0})
-    assert len(_index_files(tmp_path)) == 6
+    assert len(_index_folders(tmp_path)) == 3
     # The code digest covers linker.py and linker_dp.py (the head set's hash layout is cached).
     code = tmp_path / "code"
     code.mkdir()
@@ -446,7 +446,8 @@ def test_damaged_or_unwritable_index_cache_builds_again(
     be written only costs the build."""
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path / "cache"))
     expected = EntityLinker({"番茄": 0, "红色": 1}).link("红色的番茄")
-    for damaged in _index_files(tmp_path / "cache"):
+    (folder,) = _index_folders(tmp_path / "cache")
+    for damaged in sorted(folder.iterdir()):
         good = damaged.read_bytes()
         for bad in (good[: len(good) // 2], b""):
             damaged.write_bytes(bad)
@@ -464,12 +465,12 @@ def test_index_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linker_module, "_KEEP_INDEXES", 2)
     EntityLinker({"番茄": 0})
-    first = _index_files(tmp_path)
+    first = _index_folders(tmp_path)
     EntityLinker({"红色": 0})
     EntityLinker({"番茄": 0})  # read: now the most recently used
     EntityLinker({"熊猫": 0})
-    files = _index_files(tmp_path)
-    assert len(files) == 4 and set(first) <= set(files)
+    folders = _index_folders(tmp_path)
+    assert len(folders) == 2 and set(first) <= set(folders)
 
 
 def test_a_short_text_links_without_starting_numba(tmp_path: Path) -> None:
