@@ -421,8 +421,10 @@ def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(linker_module, "_INDEX_VERSION", linker_module._INDEX_VERSION + 1)
     EntityLinker({"番茄": 0})
     assert len(_index_folders(tmp_path)) == 2
-    source = linker_module._jieba_source()
-    monkeypatch.setattr(linker_module, "_jieba_source", lambda: (*source[:3], source[3] + 1))
+    jieba_version, size, _ = linker_module._jieba_identity()
+    monkeypatch.setattr(
+        linker_module, "_jieba_identity", lambda: (jieba_version, size, "0" * 64)
+    )  # other words
     EntityLinker({"番茄": 0})
     assert len(_index_folders(tmp_path)) == 3
     # The code digest covers linker.py and linker_dp.py (the head set's hash layout is cached).

@@ -129,6 +129,18 @@ def test_copied_store_keeps_its_index(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert _links(EntityLinker.from_store(KnowledgeStore.load(tmp_path / "copy"))) == expected
 
 
+def test_index_follows_jieba_by_content_not_by_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another machine's jieba (same dictionary, other path and mtime) reads the saved index."""
+    expected = _links(EntityLinker(list(_store().forms())))
+    _store().save(tmp_path / "store", linker=True)
+    version, _, size, mtime = linker_module._jieba_source()
+    monkeypatch.setattr(
+        linker_module, "_jieba_source", lambda: (version, "/elsewhere/dict.txt", size, mtime + 1)
+    )
+    _forbid_names(monkeypatch)
+    assert _links(EntityLinker.from_store(KnowledgeStore.load(tmp_path / "store"))) == expected
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
