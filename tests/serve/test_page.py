@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,7 @@ import pytest
 CHROMIUM = next(
     (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None
 )
+STATUS = "document.getElementById('status').textContent"
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (apt-get install chromium)")
 
 
@@ -49,14 +51,32 @@ class DevTools:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def wait_for(self, expression: str, timeout: float) -> object:
+    def wait_for(self, expression: str, timeout: float, describe: Callable[[], str] | None = None) -> object:
+        """The expression's first truthy value; on timeout, the error says ``describe()`` too."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = self.js(expression)
             if value:
                 return value
             time.sleep(0.25)
-        raise TimeoutError(f"not true after {timeout} s: {expression}")
+        raise TimeoutError(
+            f"not true after {timeout} s: {expression}" + (f"\n{describe()}" if describe else "")
+        )
+
+
+def server_state(url: str) -> str:
+    """The served queue and workers (Prometheus samples), for a failure message."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as err:
+        return f"/metrics unreachable: {err}"
+    keep = (
+        "rapiddiff_queue_depth",
+        "rapiddiff_workers",
+        "rapiddiff_images_total",
+        "rapiddiff_requests_total",
+    )
+    return "server: " + "; ".join(line for line in text.splitlines() if line.startswith(keep))
 
 
 @contextlib.contextmanager
@@ -109,18 +129,23 @@ def test_page_generates_and_shows_images_with_entities(server, tmp_path):
         )
         assert marked == ["绿色", "番茄", "香蕉"]
         tab.js("document.getElementById('seed').value = '5'; document.getElementById('go').click()")
-        # Knowledge on and off side by side: two images, each decoded by the browser.
-        tab.wait_for(
-            "document.querySelectorAll('#gallery img.generated').length === 2 &&"
-            " [...document.querySelectorAll('#gallery img.generated')].every(i => i.complete && i.naturalWidth === 128)",
+        # Knowledge on and off side by side: two images, each decoded by the browser (or the page's
+        # error message, at once, instead of waiting out the timeout).
+        shown = tab.wait_for(
+            "(() => { const s = document.getElementById('status');"
+            " if (s.className === 'error') return s.textContent;"
+            " const imgs = [...document.querySelectorAll('#gallery img.generated')];"
+            " return imgs.length === 2 && imgs.every(i => i.complete && i.naturalWidth === 128) ? 'shown' : null; })()",
             timeout=180,
+            describe=lambda: f"page status {tab.js(STATUS)!r}; {server_state(server)}",
         )
+        assert shown == "shown", shown
         sides = tab.js("[...document.querySelectorAll('.card .side')].map(s => s.dataset.knowledge)")
         assert sides == ["true", "false"]
         settings = tab.js("document.querySelector('.card .settings').textContent")
         assert "seed 5" in settings and "2 steps" in settings
         assert tab.js("document.querySelectorAll('.card .prompt mark.entity').length") == 3
-        status = tab.js("document.getElementById('status').textContent")
+        status = tab.js(STATUS)
         assert "done" in status, status
         shot = base64.b64decode(tab.call("Page.captureScreenshot", format="png")["data"])
     path = tmp_path / "serve_page.png"
