@@ -21,6 +21,7 @@ spreads requests over the replicas and its autoscaler adds or removes replicas.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -40,6 +41,22 @@ def _require_ray() -> Any:
             "--ray needs Ray Serve: pip install 'rapiddiff[ray]' (or pip install 'ray[serve]')"
         ) from err
     return serve
+
+
+# Ray Serve kills its HTTP proxy when the proxy is not ready within 5 s (then 10 s, ...) and
+# serve.start fails with "ActorDiedError ... killed by ray.kill": on a busy 2-core machine the
+# proxy's imports alone take longer. Patient defaults for a Ray that this process starts (its
+# processes inherit the environment); a value the user set wins.
+PATIENT_PROXY_ENV = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def patient_proxy_env() -> None:
+    """Set :data:`PATIENT_PROXY_ENV` where the user has not: call before ``ray.init`` starts Ray."""
+    for name, value in PATIENT_PROXY_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def build_deployment(
@@ -101,6 +118,8 @@ def run_ray(
     serve = _require_ray()
     import ray
 
+    if address is None:  # Ray started here: its processes take this environment
+        patient_proxy_env()
     ray.init(address=address, ignore_reinit_error=True)
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and config.devices != ["cpu"]
     app = build_deployment(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import shutil
 import tempfile
 
@@ -20,12 +21,15 @@ pytest.importorskip("ray.serve", reason="Ray Serve is optional: pip install 'rap
 
 
 @pytest.mark.slow  # starting Ray and a replica takes ~30 s on 2 cores
-def test_ray_serve_deployment_answers_like_the_server(tmp_path):
+def test_ray_serve_deployment_answers_like_the_server(tmp_path, monkeypatch):
     import ray
     from ray import serve
 
-    from rapiddiff.serve.ray_app import build_deployment
+    from rapiddiff.serve.ray_app import PATIENT_PROXY_ENV, build_deployment
 
+    # As run_ray does for the Ray it starts (its proxy was killed at 5 s on a loaded machine).
+    for name, value in PATIENT_PROXY_ENV.items():
+        monkeypatch.setenv(name, value)
     port = free_port()
     # Ray's socket paths must stay under 108 bytes: a short folder, not pytest's deep tmp_path.
     ray_dir = tempfile.mkdtemp(prefix="rd-ray-", dir="/tmp")
@@ -75,3 +79,14 @@ def test_ray_deployment_settings():
     assert deployment.ray_actor_options["num_gpus"] == 0.5
     assert deployment._deployment_config.autoscaling_config.max_replicas == 4
     assert deployment._deployment_config.max_ongoing_requests == 16
+
+
+def test_patient_proxy_env_keeps_the_users_values(monkeypatch):
+    from rapiddiff.serve.ray_app import PATIENT_PROXY_ENV, patient_proxy_env
+
+    for name in PATIENT_PROXY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "7")
+    patient_proxy_env()
+    assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "60"
+    assert os.environ["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "7"
