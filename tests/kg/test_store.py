@@ -129,6 +129,29 @@ def test_damaged_name_table_is_reported_on_first_use(tmp_path: Path) -> None:
         _ = KnowledgeStore.load(store_dir).aliases
 
 
+def test_name_of_reads_one_line_not_every_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store()
+    expected = list(store.entity_names)
+    assert [store.name_of(i) for i in range(len(store))] == expected  # in memory
+    store_dir = store.save(tmp_path / "kg")
+    loaded = KnowledgeStore.load(store_dir)
+    monkeypatch.setattr(KnowledgeStore, "_read_entities", lambda self: pytest.fail("read every name"))
+    assert [loaded.name_of(i) for i in (4, 0, 3, 1, 2)] == [expected[i] for i in (4, 0, 3, 1, 2)]
+    with pytest.raises(IndexError, match=r"not in 0\.\.4"):
+        loaded.name_of(5)
+    monkeypatch.undo()
+    # Windows line ends read the same; a file without one line per entity is read whole (its error).
+    text = (store_dir / "entities.tsv").read_text(encoding="utf-8")
+    (store_dir / "entities.tsv").write_bytes(text.replace("\n", "\r\n").encode("utf-8"))
+    assert [KnowledgeStore.load(store_dir).name_of(i) for i in range(5)] == expected
+    (store_dir / "entities.tsv").write_text("\n".join(text.splitlines()[:-1]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="4 rows but the embeddings hold 5"):
+        KnowledgeStore.load(store_dir).name_of(0)
+    (store_dir / "entities.tsv").write_text(text.replace("1\t红色", "7\t红色"), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"entities.tsv:3: expected 'id<TAB>name<TAB>aliases' for entity 1"):
+        KnowledgeStore.load(store_dir).name_of(1)
+
+
 def test_name_index_is_saved_memory_mapped_and_rebuilt_when_missing(tmp_path: Path) -> None:
     from rapiddiff.kg.store import NAME_INDEX, NAME_INDEX_IDS
 
