@@ -131,6 +131,22 @@ def _check_field(value: str, where: str | Path) -> None:
         )
 
 
+def _check_fields(values: Sequence[str], where: str | Path) -> None:
+    """:func:`_check_field` for every value, the all-fine case in passes that run no Python code
+    per value (``all``, ``in`` on one joined string, ``map``): 16 M names in seconds instead of
+    a minute; a bad value is then found by the per-value check, which names it."""
+    joined = "\x00".join(values)
+    if (
+        not all(values)
+        or "\t" in joined
+        or "\r" in joined
+        or "\n" in joined
+        or any(map(str.__ne__, values, map(str.strip, values)))
+    ):
+        for value in values:
+            _check_field(value, where)
+
+
 def read_triples_array(path: str | Path, *, sort: bool = False) -> tuple[Any, list[str], list[str]]:
     """The distinct triples of a TSV file as ids: ``(ids, entity_names, relation_names)``.
 

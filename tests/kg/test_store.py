@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -101,8 +102,15 @@ def test_vectors_are_memory_mapped_and_names_lazy(tmp_path: Path) -> None:
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unique"):
-        KnowledgeStore.from_arrays(["a", "a"], ["r"], torch.zeros(2, 4), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="entity names must be unique; 'b' appears twice"):
+        KnowledgeStore.from_arrays(["a", "b", "c", "b"], ["r"], torch.zeros(4, 4), torch.zeros(1, 4))
+    for bad in ("", " a", "a\u3000", "a\tb", "a\nb", "a\r"):  # each names the bad value
+        with pytest.raises(ValueError, match=r"entity name: name .* cannot be written to TSV"):
+            KnowledgeStore.from_arrays(["ok", bad], ["r"], torch.zeros(2, 4), torch.zeros(1, 4))
+        with pytest.raises(ValueError, match=rf"alias: name {re.escape(repr(bad))} cannot be written"):
+            KnowledgeStore.from_arrays(
+                ["ok"], ["r"], torch.zeros(1, 4), torch.zeros(1, 4), aliases=[["x", bad]]
+            )
     with pytest.raises(ValueError, match=r"entity_vectors must be \[3, dim\]"):
         KnowledgeStore.from_arrays(["a", "b", "c"], ["r"], torch.zeros(2, 4), torch.zeros(1, 4))
     with pytest.raises(ValueError, match="ids outside"):
