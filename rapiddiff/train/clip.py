@@ -406,12 +406,7 @@ class CLIPTraining(RapidModule):
                 "speed.cuda_graph runs on one GPU: the CLIP step gathers every GPU's features for its "
                 "negatives, which a replay cannot do; set speed.cuda_graph: false for several GPUs"
             )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "speed.cuda_graph overwrites gradients every step: set accumulate_grad_batches: 1"
-            )
-        if str(trainer.precision).startswith("16"):
-            raise ValueError("speed.cuda_graph does not capture fp16 loss scaling: use bf16-mixed or 32-true")
+        super()._check_graph_trainer()
 
     def _graph_step(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         if self._graphed is None:

@@ -180,6 +180,17 @@ class RapidModule(pl.LightningModule):
     # at its first captured step; from then on the replay writes the gradients itself.
     _graphed: Any = None
 
+    def _check_graph_trainer(self) -> None:
+        """What ``speed.cuda_graph`` needs of the trainer in every stage (a stage adds its own
+        device checks first)."""
+        trainer = self.trainer
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "speed.cuda_graph overwrites gradients every step: set accumulate_grad_batches: 1"
+            )
+        if str(trainer.precision).startswith("16"):
+            raise ValueError("speed.cuda_graph does not capture fp16 loss scaling: use bf16-mixed or 32-true")
+
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         from rapiddiff.train.speed import GRAPH_WARMUP_STEPS
 

@@ -320,12 +320,7 @@ class LatentDiffusion(RapidModule):
                 f"speed.cuda_graph runs on one GPU or under DDP, not {type(trainer.strategy).__name__}: "
                 "set speed.cuda_graph: false or trainer.strategy: ddp"
             )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "speed.cuda_graph overwrites gradients every step: set accumulate_grad_batches: 1"
-            )
-        if str(trainer.precision).startswith("16"):
-            raise ValueError("speed.cuda_graph does not capture fp16 loss scaling: use bf16-mixed or 32-true")
+        super()._check_graph_trainer()
 
     def _plain_ddp(self) -> bool:
         from pytorch_lightning.strategies import DDPStrategy
