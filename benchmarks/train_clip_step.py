@@ -35,7 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_kshapes_step import make_data, release, step_probe  # noqa: E402  (the same harness)
+from train_kshapes_step import make_data, release, step_probe, timed_fit  # noqa: E402  (the same harness)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"fused_adamw": False},
@@ -124,34 +124,9 @@ def run(args: argparse.Namespace, device: torch.device, data: Path, store: Path,
     datamodule = ImageTextData(
         str(data / "train"), image_size=module.image_size, batch_size=args.batch, num_workers=args.workers
     )
-    trainer = pl.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        precision="bf16-mixed" if args.precision == "bf16" else "32-true",
-        max_steps=steps + args.profile,
-        gradient_clip_val=1.0,  # the config's
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[probe],
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    trainer.fit(module, datamodule=datamodule)
-    seconds = probe.times["end"] - probe.times["start"]
-    row = {
-        "it_s": args.steps / seconds,
-        "images_s": args.steps * args.batch / seconds,
-        "ms_per_step": 1000 * seconds / args.steps,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "resident_fill_s": getattr(module, "resident_seconds", None),
-        "fused_adamw": any(g.get("fused") for g in trainer.optimizers[0].param_groups),
-        "losses": [float(x) for x in probe.losses],
-    }
+    row, trainer = timed_fit(module, datamodule, probe, device, args)
+    row["resident_fill_s"] = getattr(module, "resident_seconds", None)
+    row["fused_adamw"] = any(g.get("fused") for g in trainer.optimizers[0].param_groups)
     del trainer, module
     release(device)
     return row

@@ -134,12 +134,26 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
     data = ImageTextData(
         str(train), image_size=args.image_size, batch_size=args.batch, num_workers=args.workers
     )
+    row, trainer = timed_fit(module, data, probe, device, args, devices=args.devices)
+    del trainer, module
+    release(device)
+    return row
+
+
+def timed_fit(
+    module: Any, data: Any, probe: Any, device: torch.device, args: argparse.Namespace, devices: int = 1
+) -> tuple[dict[str, Any], Any]:
+    """Fit ``module`` on ``data`` with the benchmarks' bare trainer (no logger, checkpoints or
+    validation; the configs' gradient clip) for ``probe``'s steps; the timing row every benchmark
+    reports (images/s over all ranks) and the trainer, for what a caller adds to the row."""
+    import pytorch_lightning as pl
+
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
         precision="bf16-mixed" if args.precision == "bf16" else "32-true",
-        max_steps=steps + args.profile,
+        max_steps=args.warmup + args.steps + args.profile,
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
@@ -156,14 +170,12 @@ def run(args: argparse.Namespace, device: torch.device, train: Path, scene: str,
     seconds = probe.times["end"] - probe.times["start"]
     row = {
         "it_s": args.steps / seconds,
-        "images_s": args.steps * args.batch * args.devices / seconds,  # all ranks
+        "images_s": args.steps * args.batch * devices / seconds,  # all ranks
         "ms_per_step": 1000 * seconds / args.steps,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "losses": [float(x) for x in probe.losses],
     }
-    del trainer, module
-    release(device)
-    return row
+    return row, trainer
 
 
 def step_probe(
