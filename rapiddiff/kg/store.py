@@ -416,8 +416,9 @@ class KnowledgeStore:
         expected_rows = self.config.get("n_triples")
         expected_bytes = self.config.get("triples_tsv_bytes")
         problem = None
-        if expected_bytes != tsv.stat().st_size:
-            problem = f"{tsv.name} has {tsv.stat().st_size} bytes, config.json says {expected_bytes}"
+        tsv_bytes = tsv.stat().st_size
+        if expected_bytes != tsv_bytes:
+            problem = f"{tsv.name} has {tsv_bytes} bytes, config.json says {expected_bytes}"
         else:
             try:
                 ids = np.load(file, mmap_mode="c", allow_pickle=False)
