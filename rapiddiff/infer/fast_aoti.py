@@ -32,6 +32,9 @@ import json
 import os
 import platform
 import re
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from rapiddiff.infer import aoti_toolchain
 from rapiddiff.utils.io import atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
@@ -53,6 +57,23 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 PART_FOLDERS = {"unet": "unet", "decoder": "vae"}
 # The Inductor options every package is built with (part of the key: other options, other code).
 INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+# Diagnostics only: a JSON object of Inductor options merged over those (e.g. weights inside the
+# package). They enter the key like any option, so a package built with others is stale, never loaded.
+INDUCTOR_ENV = "RAPIDDIFF_AOTI_INDUCTOR"
+
+
+def inductor_configs() -> dict[str, Any]:
+    """:data:`INDUCTOR_CONFIGS` with the :data:`INDUCTOR_ENV` override applied."""
+    text = os.environ.get(INDUCTOR_ENV, "").strip()
+    if not text:
+        return dict(INDUCTOR_CONFIGS)
+    try:
+        extra = json.loads(text)
+    except ValueError as err:
+        raise PackageError(f"{INDUCTOR_ENV}: not a JSON object ({err})") from err
+    if not isinstance(extra, dict):
+        raise PackageError(f"{INDUCTOR_ENV}: not a JSON object: {text[:80]}")
+    return {**INDUCTOR_CONFIGS, **extra}
 
 
 class PackageError(RuntimeError):
@@ -60,19 +81,37 @@ class PackageError(RuntimeError):
 
 
 # ---- the key ----------------------------------------------------------------------------------------
+def loaded_libstdcxx() -> str | None:
+    """The real path of the ``libstdc++`` this process has mapped, or None (none, or not Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        if "libstdc++.so" in line:
+            return os.path.realpath(line.split()[-1])
+    return None
+
+
 def device_fields(device: torch.device) -> dict[str, str | None]:
-    """What the compiled code is specific to about this machine: GPU name and capability, or CPU ISA."""
+    """What the compiled code is specific to about this machine: GPU name and capability, or CPU ISA,
+    and the C++ runtime."""
+    # The C++ runtime too: a package's wrapper code runs against the libstdc++ it is loaded into.
+    runtime = loaded_libstdcxx()
+    libstdcxx = os.path.basename(runtime) if runtime else None
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return {
             "device": torch.cuda.get_device_name(device),
             "capability": f"sm_{major}{minor}",
             "cuda": torch.version.cuda,
+            "libstdcxx": libstdcxx,
         }
     return {
         "device": f"cpu {platform.machine()}",
         "capability": torch.backends.cpu.get_cpu_capability(),
         "cuda": None,
+        "libstdcxx": libstdcxx,
     }
 
 
@@ -98,7 +137,7 @@ def package_key(
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes,
         "switches": switches,
-        "inductor": {**INDUCTOR_CONFIGS, **(inductor or {})},
+        "inductor": {**inductor_configs(), **(inductor or {})},
         "weights": weights,
     }
 
@@ -272,10 +311,19 @@ def build_package(
     os.chmod(tmp_name, 0o644)  # mkstemp makes it private; a package is as readable as the model
     tmp = Path(tmp_name)
     try:
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(tmp), inductor_configs=dict(key.get("inductor", INDUCTOR_CONFIGS))
-        )
-        names = sorted(open_package(tmp).get_constant_fqns())
+        cxx, cxx_reason = aoti_toolchain.choose_compiler()
+        if cxx is not None:
+            log.warning("aoti: C++ compiler %s", cxx_reason)
+        with torch._inductor.config.patch({"cpp.cxx": (None, cxx)} if cxx else {}):
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(tmp), inductor_configs=dict(key.get("inductor", inductor_configs()))
+            )
+        # Opened first in a new process: a package whose native code crashes on load (SIGSEGV in
+        # its wrapper's C++ runtime on the H100 image, BENCHMARKS issue 16) fails the build with the
+        # reason, instead of killing this process or, later, a server. The names come from the
+        # exported program; load_package checks the package's own against them.
+        check_loads(tmp)
+        names = exported_constants(program)
         live = live_constants(module)
         foreign = [n for n in names if n not in live]
         if foreign:  # a constant export made up (not a parameter/buffer): we could not supply it on load
@@ -289,6 +337,7 @@ def build_package(
             "constants": names,
             "constants_layout": constants_layout(module, names),
             "weights_files": weights_files or {},
+            "cxx": cxx_reason,
             "export_s": round(exported - started, 2),
             "compile_s": round(time.perf_counter() - exported, 2),
             "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -308,6 +357,45 @@ def build_package(
     return manifest
 
 
+def check_loads(path: Path, timeout: float = 600) -> None:
+    """Open the package at ``path`` in a new Python process; :class:`PackageError` with the exit
+    status (the signal's name on a crash) and the last lines it printed if that fails."""
+    code = "import sys; from pathlib import Path; from rapiddiff.infer.fast_aoti import open_package; "
+    code += "print(len(open_package(Path(sys.argv[1])).get_constant_fqns()))"
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        raise PackageError(f"{path.name}: opening it in a new process took over {timeout:.0f} s") from err
+    if proc.returncode == 0:
+        return
+    status = (
+        f"killed by {signal.Signals(-proc.returncode).name}"
+        if proc.returncode < 0
+        else f"exit {proc.returncode}"
+    )
+    tail = " | ".join(line.strip() for line in proc.stderr.strip().splitlines()[-4:])
+    raise PackageError(
+        f"{path.name}: the package was built but does not load in a new process ({status}: {tail[-600:]}); "
+        f"C++ compiler: {aoti_toolchain.choose_compiler()[1]}. On the H100 image this crash came from "
+        "CXX=/opt/gcc/bin/g++ and went away with the system g++: set CXX to another compiler and export again"
+    )
+
+
+def exported_constants(program: Any) -> list[str]:
+    """The fully qualified names of the tensors an exported program reads as constants (parameters,
+    buffers, lifted tensor constants): what an AOTInductor package built from it asks for on load."""
+    sig = program.graph_signature
+    names = {
+        *sig.inputs_to_parameters.values(),
+        *sig.inputs_to_buffers.values(),
+        *sig.inputs_to_lifted_tensor_constants.values(),
+    }
+    return sorted(names)
+
+
 def open_package(path: Path) -> Any:
     """``torch._inductor.aoti_load_package`` without its device-information probe.
 
@@ -319,9 +407,13 @@ def open_package(path: Path) -> Any:
     try:
         from torch._inductor.package.package import AOTICompiledModel
 
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        # run_single_threaded: the run skips the container's per-call CUDA events and model
+        # hand-off, which cannot happen inside a CUDA graph capture (measured: "operation failed due
+        # to a previous error during capture" with it off). The fast path calls a package from one
+        # thread, and replays the captured loop, never two runs of one package at once.
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
     except (ImportError, AttributeError, TypeError):  # another torch version: its own loader
-        return torch._inductor.aoti_load_package(str(path))
+        return torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
     return AOTICompiledModel(loader)
 
 
@@ -335,8 +427,11 @@ def load_package(path: Path, module: torch.nn.Module, manifest: dict[str, Any]) 
             "delete it, or rebuild with `rapiddiff accelerate export`"
         ) from err
     names = compiled.get_constant_fqns()
-    if sorted(names) != manifest.get("constants"):
-        raise PackageError(f"{path}: its constants differ from its manifest's; rebuild it")
+    unchecked = sorted(set(names) - set(manifest.get("constants", [])))
+    if unchecked:  # a constant whose layout check_package did not compare: never hand it a tensor
+        raise PackageError(
+            f"{path}: reads constants its manifest does not list ({', '.join(unchecked[:3])}); rebuild it"
+        )
     live = live_constants(module)
     # user_managed: the package reads the module's own tensors (no copy); the module keeps them alive.
     compiled.load_constants({n: live[n] for n in names}, check_full_update=True, user_managed=True)
@@ -441,10 +536,13 @@ __all__ = [
     "PackageStore",
     "UNetCall",
     "build_package",
+    "check_loads",
     "check_package",
     "constants_layout",
+    "exported_constants",
     "key_differences",
     "load_package",
+    "loaded_libstdcxx",
     "package_key",
     "package_path",
     "read_manifest",

@@ -101,6 +101,58 @@ def test_a_changed_module_layout_makes_the_package_stale(tmp_path):
     assert "4 of 4 constants differ" in fast_aoti.check_package(path, key, module)
 
 
+def test_the_manifest_lists_the_exported_programs_constants_without_loading_the_package():
+    """build_package names the constants from torch.export's signature (opening a fresh CUDA package
+    in the process that compiled it crashed on torch 2.11): parameters and buffers, by their names."""
+    module = _module()
+    with torch.no_grad():
+        program = torch.export.export(module, (torch.randn(1, 4, 6, 6),), strict=False)
+    assert fast_aoti.exported_constants(program) == sorted(module.state_dict())
+
+
+class _Opened:
+    """What open_package returns, as far as load_package uses it."""
+
+    def __init__(self, names):
+        self.names, self.loaded = names, None
+
+    def get_constant_fqns(self):
+        return list(self.names)
+
+    def load_constants(self, constants, *, check_full_update, user_managed):
+        self.loaded = (sorted(constants), check_full_update, user_managed)
+
+
+def test_load_hands_the_package_only_constants_its_manifest_checked(tmp_path, monkeypatch):
+    module = _module()
+    path, _ = _fake_package(tmp_path, module)
+    manifest = fast_aoti.read_manifest(path)
+    opened = _Opened(manifest["constants"][:3])  # a package may read fewer than the export listed
+    monkeypatch.setattr(fast_aoti, "open_package", lambda _path: opened)
+    assert fast_aoti.load_package(path, module, manifest) is opened
+    assert opened.loaded == (manifest["constants"][:3], True, True)
+    stray = _Opened([*manifest["constants"], "lifted_tensor_0"])
+    monkeypatch.setattr(fast_aoti, "open_package", lambda _path: stray)
+    with pytest.raises(fast_aoti.PackageError, match="does not list \\(lifted_tensor_0\\); rebuild it"):
+        fast_aoti.load_package(path, module, manifest)
+    assert stray.loaded is None
+
+
+def test_the_inductor_override_enters_the_key_and_bad_json_is_named(tmp_path, monkeypatch):
+    module = _module()
+    path, _ = _fake_package(tmp_path, module)
+    monkeypatch.setenv(fast_aoti.INDUCTOR_ENV, '{"aot_inductor.package_constants_in_so": true}')
+    wanted = fast_aoti.package_key("unet", device=CPU, dtype=torch.float32, weights="w0", **FIELDS)
+    assert wanted["inductor"]["aot_inductor.package_constants_in_so"] is True
+    reason = fast_aoti.check_package(path, wanted, module)
+    assert reason.startswith("stale (inductor.aot_inductor.package_constants_in_so: false → true")
+    monkeypatch.setenv(fast_aoti.INDUCTOR_ENV, "[1]")
+    with pytest.raises(fast_aoti.PackageError, match="RAPIDDIFF_AOTI_INDUCTOR: not a JSON object"):
+        fast_aoti.inductor_configs()
+    monkeypatch.delenv(fast_aoti.INDUCTOR_ENV)
+    assert fast_aoti.inductor_configs() == fast_aoti.INDUCTOR_CONFIGS
+
+
 def test_corrupt_or_unexplained_files_are_rejected_with_the_file_named(tmp_path):
     module = _module()
     path, key = _fake_package(tmp_path, module)
@@ -422,6 +474,22 @@ def test_regional_compilation_matches_the_uncompiled_fast_path(tiny_model):
     assert torch.allclose(out.latents, reference.latents, atol=1e-4, rtol=1e-4)
 
 
+def test_regional_compilation_lets_dynamo_keep_a_graph_per_block(tiny_model, monkeypatch):
+    """Every block of a class shares one forward; SD 1.5's distinct block shapes outnumber Dynamo's
+    default recompile limit (8), which fullgraph=True turned into FailOnRecompileLimitHit on the H100."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1)
+    fast = accelerate(
+        RapidDiffusionPipeline.from_pretrained(tiny_model), compile_regions=True, compile_vae=None
+    )  # compiling is lazy: nothing runs here
+    blocks = sum(type(m).__name__ in ("BasicTransformerBlock", "ResnetBlock2D") for m in fast.unet.modules())
+    assert blocks > 1 and torch._dynamo.config.recompile_limit == blocks
+    assert torch._dynamo.config.accumulated_recompile_limit == blocks
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1000)
+    accelerate(RapidDiffusionPipeline.from_pretrained(tiny_model), compile_regions=True, compile_vae=None)
+    assert torch._dynamo.config.recompile_limit == 1000  # a larger setting is kept
+
+
 def test_generate_passes_aoti_to_the_fast_path(tiny_model, tmp_path, monkeypatch, capsys):
     import importlib.machinery
     import types
@@ -465,8 +533,16 @@ def test_cold_start_benchmark_plans_the_key_comparison_first_and_summarises_fail
     ]
     assert plan[5:] == [("regional-cold", 0), ("regional-cache", 0), ("regional-cache", 1)]
     assert bench.plan_processes(["compile"], 1) == [("compile-cold", 0), ("compile-cache", 0)]
+    assert bench.plan_processes(["aoti", "compile"], 2, grouped=True) == [
+        ("aoti", 0),
+        ("aoti", 1),
+        ("compile-cold", 0),
+        ("compile-cache", 0),
+        ("compile-cache", 1),
+    ]
     meta = {"device": "cpu", "torch": "x", "date": "d", "model": "m", "steps": 2, "guidance": 7.5}
-    row = {"variant": "aoti", "imported_s": 1.0, "loaded_s": 2.0, "accelerated_s": 2.5, "first_image_s": 4.0}
+    row = {"variant": "aoti", "imported_s": 1.0, "device_ready_s": 1.2, "classes_imported_s": 1.5}
+    row |= {"loaded_s": 2.0, "accelerated_s": 2.5, "first_image_s": 4.0}
     row |= {"full_speed_s": 4.2, "it_s": 10.0, "report": {"aoti_unet": "loaded unet-x.pt2 (0.01 s)"}}
     text = bench.summary(
         {
@@ -476,6 +552,9 @@ def test_cold_start_benchmark_plans_the_key_comparison_first_and_summarises_fail
             "parity": {"aoti": {"latent_rel_err": 1e-3, "psnr_db": 50.0}},
         }
     )
-    assert "export: boom: no compiler" in text and "| aoti | 1.0 | 2.0 | 2.5 | 4.0 | 4.2 | 10.0 |" in text
+    assert (
+        "export: boom: no compiler" in text
+        and "| aoti | 1.0 | 1.2 | 1.5 | 2.0 | 2.5 | 4.0 | 4.2 | 10.0 |" in text
+    )
     assert "| compile-cold | failed: " in text and "OutOfMemoryError" in text
     assert "aoti vs compile-cache: latent rel. err 1.0e-03, image PSNR 50.0 dB" in text
