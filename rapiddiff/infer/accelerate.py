@@ -507,6 +507,10 @@ class GraphDenoiser:
             self._set("compile_unet", f"fallback: {unet_mode} (the loop graph already captures the U-Net)")
         if unet_mode and cfg.compile_regions:
             blocks = [m for m in self.unet.modules() if type(m).__name__ in REGION_BLOCKS]
+            # Blocks of one class share a forward, and each distinct shape is a recompile of it:
+            # SD 1.5 has more than Dynamo's default limit of 8, which fullgraph=True turns into a hard
+            # failure (FailOnRecompileLimitHit, H100 2026-11-23). One graph per block at most.
+            _raise_recompile_limit(len(blocks))
             for block in blocks:
                 block.compile(fullgraph=True, dynamic=False, **self._compile_kwargs(unet_mode))
             self._set("compile_unet", f"{unet_mode}, regional ({len(blocks)} blocks)")
@@ -900,3 +904,11 @@ __all__ = [
     "describe",
     "gemms_on_aten",
 ]
+
+
+def _raise_recompile_limit(limit: int) -> None:
+    """Let Dynamo keep ``limit`` graphs per code object (never lowers a larger setting)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
