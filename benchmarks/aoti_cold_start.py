@@ -55,6 +55,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["aoti", "compile", "regional"],
         help="aoti: the packages; compile: torch.compile + cache; regional: regional compile + cache",
     )
+    p.add_argument(
+        "--grouped",
+        action="store_true",
+        help="all rounds of one variant before the next (default: interleaved)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new process after this many s")
@@ -76,6 +81,13 @@ def child(spec: dict[str, Any]) -> None:
 
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
+    # Where the time between imports and weights goes: the device's context, then the model's classes.
+    torch.empty(1, device=device)
+    device_ready = time.time()
+    from rapiddiff.models.bundle import diffusers_class
+
+    diffusers_class("UNet2DConditionModel"), diffusers_class("AutoencoderKL")
+    classes = time.time()
     pipe = RapidDiffusionPipeline.from_pretrained(spec["model"], device=device, dtype=dtype)
     loaded = time.time()
     if spec["variant"] == "aoti":
@@ -98,6 +110,8 @@ def child(spec: dict[str, Any]) -> None:
         json.dumps(
             {
                 "imported_at": imported,
+                "device_ready_at": device_ready,
+                "classes_imported_at": classes,
                 "loaded_at": loaded,
                 "accelerated_at": accelerated,
                 "first_image_at": first,
@@ -153,11 +167,35 @@ def run_child(args: argparse.Namespace, variant: str, model: Path, cache: Path, 
         shutil.rmtree(fresh, ignore_errors=True)
     (out / f"child-{variant}-{n}.log").write_text(proc.stderr[-300_000:])
     if proc.returncode != 0:
-        return {"variant": variant, "error": proc.stderr[-3000:]}
+        row = {"variant": variant, "rc": proc.returncode, "error": proc.stderr[-3000:]}
+        if proc.returncode == -11:  # SIGSEGV: once, the same process under a debugger for the native frames
+            row["backtrace"] = native_backtrace(
+                [sys.executable, __file__, "--child", json.dumps(spec)], env, out / f"gdb-{variant}-{n}.log"
+            )
+        return row
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in [k for k in row if k.endswith("_at")]:
         row[key[:-3] + "_s"] = round(row.pop(key) - started, 2)
     return {"variant": variant, **row}
+
+
+def native_backtrace(cmd: list[str], env: dict[str, str], log: Path, timeout: float = 400) -> str:
+    """Run ``cmd`` under cuda-gdb (the device image has no gdb) and return the crashing thread's
+    backtrace, or why there is none. Python's faulthandler names only the Python frame."""
+    gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
+    if gdb is None:
+        return "no debugger on this machine"
+    batch = ["-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40", "-ex", "info registers rip"]
+    try:
+        proc = subprocess.run(
+            [gdb, *batch, "--args", *cmd], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return f"the debugger run did not end within {timeout:.0f} s"
+    log.write_text(proc.stdout[-200_000:] + "\n--- stderr ---\n" + proc.stderr[-50_000:])
+    lines = proc.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if "SIGSEGV" in line or "signal" in line.lower()), None)
+    return "\n".join(lines[start : start + 45]) if start is not None else proc.stdout[-3000:]
 
 
 # ---- the parent ------------------------------------------------------------------------------------
@@ -199,9 +237,12 @@ def export(args: argparse.Namespace, model: Path, packages: Path, out: Path) -> 
     (out / "export.log").write_text(proc.stderr[-300_000:])
     result: dict[str, Any] = {"command": " ".join(cmd[1:]), "wall_s": round(wall, 2), "rc": proc.returncode}
     if proc.returncode != 0:
+        # A crash after a package was written (e.g. while loading it) still leaves that package: the
+        # aoti processes load what exists and fall back for the rest, so the crash is told apart
+        # from the build's.
         result["error"] = proc.stderr[-3000:]
-        return result
-    result["report"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        result["report"] = json.loads(proc.stdout.strip().splitlines()[-1])
     for manifest in sorted(packages.glob("*.json")):
         data = json.loads(manifest.read_text())
         result[manifest.stem] = {k: data[k] for k in ("export_s", "compile_s", "size")}
@@ -238,18 +279,20 @@ def summary(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| process | imports (s) | weights loaded (s) | accelerated (s) | first image (s) | full speed (s) | it/s | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| process | imports (s) | device ready (s) | model classes (s) | weights loaded (s) | accelerated (s) "
+        "| first image (s) | full speed (s) | it/s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["processes"]:
         if "error" in row:
-            lines.append(f"| {row['variant']} | failed: {row['error'][-200:]!r} | | | | | | |")
+            lines.append(f"| {row['variant']} | failed: {row['error'][-200:]!r} | | | | | | | | |")
             continue
         notes = "; ".join(
             f"{k}: {v}" for k, v in row["report"].items() if k.startswith(("aoti_", "compile_cache"))
         )
         lines.append(
-            f"| {row['variant']} | {row['imported_s']:.1f} | {row['loaded_s']:.1f} | {row['accelerated_s']:.1f} | "
+            f"| {row['variant']} | {row['imported_s']:.1f} | {row.get('device_ready_s', math.nan):.1f} | "
+            f"{row.get('classes_imported_s', math.nan):.1f} | {row['loaded_s']:.1f} | {row['accelerated_s']:.1f} | "
             f"{row['first_image_s']:.1f} | {row['full_speed_s']:.1f} | {row['it_s']:.1f} | {notes[:300]} |"
         )
     for variant, med in result.get("medians", {}).items():
@@ -262,9 +305,18 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_processes(variants: list[str], rounds: int) -> list[tuple[str, int]]:
+def plan_processes(variants: list[str], rounds: int, grouped: bool = False) -> list[tuple[str, int]]:
     """Most important first, so a time budget cuts the least: packages vs today's compile cache
-    (with the cache's cold first process), their further rounds in rotated order, then regional."""
+    (with the cache's cold first process), their further rounds in rotated order, then regional.
+    ``grouped``: every round of the packages first, then the compile cache's (a budget that allows
+    one compile-cold + compile-cache still gets the packages' median)."""
+    if grouped:
+        plan = [("aoti", n) for n in range(rounds)] if "aoti" in variants else []
+        if "compile" in variants:
+            plan += [("compile-cold", 0)] + [("compile-cache", n) for n in range(rounds)]
+        if "regional" in variants:
+            plan += [("regional-cold", 0)] + [("regional-cache", n) for n in range(rounds)]
+        return plan
     plan = [("aoti", 0)] if "aoti" in variants else []
     if "compile" in variants:
         plan += [("compile-cold", 0), ("compile-cache", 0)]
@@ -337,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print("export:", json.dumps(result["export"], default=str)[:600], flush=True)
         # Most important first, so a budget cut loses the least: aoti, the cache's first (cold)
         # process, today's second process; then further rounds alternating which goes first.
-        plan = plan_processes(args.variants, args.rounds)
-        if "error" in result["export"]:
+        plan = plan_processes(args.variants, args.rounds, grouped=args.grouped)
+        if not any(packages.glob("*.json")):  # no package was written: nothing for aoti to load
             plan = [p for p in plan if p[0] != "aoti"]
         for variant, n in plan:
             if time.perf_counter() - began > args.budget_s:

@@ -12,7 +12,7 @@
 set -u
 part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
 if [ "$part" = wheels ]; then
-  wheels=$2; dest=$3; rm -rf "$dest"; mkdir -p "$dest"
+  wheels=$(realpath "$2"); dest=$(realpath -m "$3"); rm -rf "$dest"; mkdir -p "$dest"
   for w in "$wheels"/*.whl; do
     case $(basename "$w") in
       jieba-*|fastapi-*|starlette-*|uvicorn-*|httpx-*|httpcore-*|h11-*|anyio-*|sniffio-*|certifi-*|idna-*|annotated_doc-*) ;;
