@@ -53,8 +53,13 @@ else
   cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
   tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
   best=$(python -c "import json; print(json.load(open('$work/summary.json'))['selection']['best_seed'])" 2>/dev/null)
-  # the best seed's built-in model (≈ 19 MB): two parts under 16 MiB; a few images to look at
-  [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
+  if [ -z "$best" ]; then  # no summary (the evaluation was cut by the time limit): the models are
+    # assembled before the evaluation, so keep the first seed's rather than lose them all
+    best=$(ls -d $work/seed-*/builtin 2>/dev/null | head -1 | sed 's|.*/seed-\([0-9]*\)/builtin|\1|')
+    [ -n "$best" ] && echo "no summary.json: packing seed $best's model, not the best seed's" | tee "$out/NOTE.txt"
+  fi
+  # the chosen seed's built-in model (≈ 19 MB): two parts under 16 MiB; a few images to look at
+  [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
   tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -6) 2>/dev/null
 fi
 ls -la "$out"
