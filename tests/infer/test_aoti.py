@@ -138,6 +138,30 @@ def test_load_hands_the_package_only_constants_its_manifest_checked(tmp_path, mo
     assert stray.loaded is None
 
 
+def test_a_package_that_does_not_open_in_a_new_process_fails_the_build_with_the_reason(tmp_path, monkeypatch):
+    """check_loads: what an unloadable archive prints, and a native crash named by its signal (the
+    H100 image's packages died with SIGSEGV on load; the exporter now survives and says so)."""
+    bad = tmp_path / "unet-bad.pt2"
+    bad.write_bytes(b"PK not a package")
+    with pytest.raises(
+        fast_aoti.PackageError, match=r"unet-bad.pt2: the package was built but does not load .*exit 1"
+    ):
+        fast_aoti.check_loads(bad)
+    crashed = subprocess.CompletedProcess(
+        [], -11, "", "Fatal Python error: Segmentation fault\n  File x in open_package"
+    )
+    monkeypatch.setattr(fast_aoti.subprocess, "run", lambda *a, **k: crashed)
+    monkeypatch.setattr(
+        fast_aoti.aoti_toolchain, "choose_compiler", lambda: (None, "g++ (its C++ runs here)")
+    )
+    with pytest.raises(fast_aoti.PackageError) as err:
+        fast_aoti.check_loads(bad)
+    assert "killed by SIGSEGV: Fatal Python error: Segmentation fault | File x in open_package" in str(
+        err.value
+    )
+    assert "C++ compiler: g++ (its C++ runs here)" in str(err.value)
+
+
 def test_the_inductor_override_enters_the_key_and_bad_json_is_named(tmp_path, monkeypatch):
     module = _module()
     path, _ = _fake_package(tmp_path, module)
