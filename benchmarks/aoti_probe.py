@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,29 +127,15 @@ def run(spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None)
     return out
 
 
-def compilers() -> list[str]:
-    """g++ (what Inductor uses unless CXX says otherwise), then every other C++ compiler on PATH."""
-    found, seen = [], set()
-    names = ["g++"]
-    for folder in os.environ.get("PATH", "").split(os.pathsep):
-        if Path(folder).is_dir():
-            names += [
-                e.name for e in sorted(Path(folder).glob("*++*")) if e.name.startswith(("g++-", "clang++"))
-            ]
-    for name in names:
-        where = shutil.which(name)
-        real = os.path.realpath(where) if where else None
-        if real and real not in seen:  # g++ is often a link to g++-N: build once
-            seen.add(real)
-            found.append(name)
-    return found
-
-
 def toolchain(cxx: str) -> dict[str, Any]:
     """The compiler's version and the libstdc++ it links against ("none": CXX unset, Inductor's pick)."""
     facts: dict[str, Any] = {"cxx": cxx}
     if cxx == "none":
         return facts
+    from rapiddiff.infer import aoti_toolchain
+
+    # rapiddiff's own verdict (what an export would decide), beside the raw facts
+    facts["rapiddiff_check"] = aoti_toolchain.check_compiler(cxx) or "passes"
     try:
         facts["version"] = subprocess.check_output([cxx, "--version"], text=True).splitlines()[0]
         lib = subprocess.check_output([cxx, "-print-file-name=libstdc++.so.6"], text=True).strip()
@@ -181,6 +166,10 @@ def wrapper_facts(package: Path) -> dict[str, Any]:
         if not names:
             return {"error": "no .so in the package"}
         so = Path(zf.extract(names[0], tmp))
+        from rapiddiff.infer import aoti_toolchain
+
+        # what separates the H100 image's crashing packages: a copy of libstdc++ inside the .so
+        facts["carries_libstdcxx_copy"] = aoti_toolchain._defines(so, aoti_toolchain.RUNTIME_SYMBOL)
         for tool, args in (("readelf", ["-d"]), ("nm", ["-C", "--defined-only"])):
             try:
                 text = subprocess.check_output([tool, *args, str(so)], text=True, stderr=subprocess.STDOUT)
@@ -217,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="aoti-probe-"))
     result: dict[str, Any] = {"process_libstdcxx": process_libstdcxx(), "builds": []}
-    cxxs = args.cxx or compilers()
+    from rapiddiff.infer import aoti_toolchain
+
+    cxxs = args.cxx or aoti_toolchain.candidates()
     result["toolchains"] = [toolchain(c) for c in cxxs]
     print(json.dumps(result)[:3000], flush=True)
     # Build with every compiler at once (separate caches), without loading: a load crashes the builder.
