@@ -22,7 +22,10 @@ def register(parser: argparse.ArgumentParser) -> None:
         "Build (export) or check the AOTInductor packages of the fast path's U-Net and VAE decoder, "
         "kept in MODEL/accelerated/ and keyed by GPU, torch/CUDA version, dtype, shapes, switches and "
         "the weights files. A new process with accelerate(pipe, aoti='load') loads them instead of "
-        "compiling; a stale package is rebuilt (export) or skipped (load) with the reason logged."
+        "compiling; a stale package is rebuilt (export) or skipped (load) with the reason logged. "
+        "Export builds with a C++ compiler whose code runs in this Python ($CXX if it passes, else "
+        "the first of g++, c++, g++-N that does, said in the log) and opens each new package in a fresh process before "
+        "keeping it."
     )
     sub = parser.add_subparsers(dest="action", metavar="<action>")
     sub.required = True
