@@ -14,14 +14,19 @@ the live module's own parameters (``load_constants(..., user_managed=True)``): a
 other in-memory weight change runs as it is, and the package costs no second copy of the weights.
 What the compiled code *does* depend on is checked before every load, field by field against the
 manifest (:func:`check_package`): format, part, torch and CUDA versions, device name and capability
-(CPU: its ISA level), dtype, input shapes, the fast path's switches (channels_last, fused QKV,
-attention backend, cross-attention K/V, fp8, cudnn_benchmark, autotune), the Inductor options
-(autotune's patch included), a hash of the weights files
+(CPU: its ISA level), the libstdc++ it runs against, dtype, input shapes, the fast path's switches
+(channels_last, fused QKV, attention backend, cross-attention K/V, fp8, cudnn_benchmark, autotune),
+the Inductor options (autotune's patch included), a hash of the weights files
 (policy: a new model is a new build), and the name, shape, stride and dtype of every constant the
 package reads (the layout its kernels were generated for). Then the file's size and SHA-256 against
 the manifest (a truncated or corrupt file). Any difference → the reason, logged; the caller rebuilds
 (``aoti="build"``) or falls back to ``torch.compile`` (``aoti="load"``). A package is never loaded
 against a key it was not built for.
+
+**Built to load.** The C++ compiler is one whose code runs in this Python
+(:mod:`rapiddiff.infer.aoti_toolchain`), and a new package is opened in a fresh process
+(:func:`check_loads`) before it is kept: on the H100 image, packages built with its ``$CXX`` crashed
+the process that loaded them.
 """
 
 from __future__ import annotations
