@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -205,60 +206,63 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="aoti-probe-"))
-    result: dict[str, Any] = {"process_libstdcxx": process_libstdcxx(), "builds": []}
-    from rapiddiff.infer import aoti_toolchain
+    try:
+        result: dict[str, Any] = {"process_libstdcxx": process_libstdcxx(), "builds": []}
+        from rapiddiff.infer import aoti_toolchain
 
-    cxxs = args.cxx or aoti_toolchain.candidates()
-    result["toolchains"] = [toolchain(c) for c in cxxs]
-    print(json.dumps(result)[:3000], flush=True)
-    # Build with every compiler at once (separate caches), without loading: a load crashes the builder.
-    procs = {}
-    for facts in result["toolchains"]:
-        if "error" in facts:
-            continue
-        cxx = facts["cxx"]
-        path = scratch / f"toy-{cxx.replace('+', 'x')}.pt2"
-        env = {**os.environ, "CXX": cxx, "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"cache-{cxx}")}
-        if cxx == "none":
-            del env["CXX"]
-        spec = {"path": str(path), "in_so": False, "device": args.device, "build": True, "load": False}
-        procs[cxx] = (
-            path,
-            subprocess.Popen(
-                [sys.executable, __file__, "--child", json.dumps(spec)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ),
-        )
-    for facts in result["toolchains"]:
-        cxx = facts["cxx"]
-        if cxx not in procs:
-            continue
-        path, proc = procs[cxx]
-        try:
-            _, err = proc.communicate(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            result["builds"].append({"cxx": cxx, "build": "timeout"})
-            continue
-        row: dict[str, Any] = {"cxx": cxx, "build_rc": proc.returncode}
-        if proc.returncode != 0 or not path.is_file():
-            row["build_error"] = err[-1500:]
+        cxxs = args.cxx or aoti_toolchain.candidates()
+        result["toolchains"] = [toolchain(c) for c in cxxs]
+        print(json.dumps(result)[:3000], flush=True)
+        # Build with every compiler at once (separate caches), without loading: a load crashes the builder.
+        procs = {}
+        for facts in result["toolchains"]:
+            if "error" in facts:
+                continue
+            cxx = facts["cxx"]
+            path = scratch / f"toy-{cxx.replace('+', 'x')}.pt2"
+            env = {**os.environ, "CXX": cxx, "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"cache-{cxx}")}
+            if cxx == "none":
+                del env["CXX"]
+            spec = {"path": str(path), "in_so": False, "device": args.device, "build": True, "load": False}
+            procs[cxx] = (
+                path,
+                subprocess.Popen(
+                    [sys.executable, __file__, "--child", json.dumps(spec)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        for facts in result["toolchains"]:
+            cxx = facts["cxx"]
+            if cxx not in procs:
+                continue
+            path, proc = procs[cxx]
+            try:
+                _, err = proc.communicate(timeout=args.timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                result["builds"].append({"cxx": cxx, "build": "timeout"})
+                continue
+            row: dict[str, Any] = {"cxx": cxx, "build_rc": proc.returncode}
+            if proc.returncode != 0 or not path.is_file():
+                row["build_error"] = err[-1500:]
+                result["builds"].append(row)
+                continue
+            row["size"] = path.stat().st_size
+            row["wrapper"] = wrapper_facts(path)
+            spec = {"path": str(path), "in_so": False, "device": args.device, "build": False, "load": True}
+            row["load"] = run(spec, args.timeout_s)
+            lib = facts.get("libstdcxx", "")
+            if row["load"].get("rc") != 0 and os.path.isabs(lib):
+                row["load_with_compilers_libstdcxx"] = run(spec, args.timeout_s, {"LD_PRELOAD": lib})
             result["builds"].append(row)
-            continue
-        row["size"] = path.stat().st_size
-        row["wrapper"] = wrapper_facts(path)
-        spec = {"path": str(path), "in_so": False, "device": args.device, "build": False, "load": True}
-        row["load"] = run(spec, args.timeout_s)
-        lib = facts.get("libstdcxx", "")
-        if row["load"].get("rc") != 0 and os.path.isabs(lib):
-            row["load_with_compilers_libstdcxx"] = run(spec, args.timeout_s, {"LD_PRELOAD": lib})
-        result["builds"].append(row)
-        print(json.dumps(row)[:2500], flush=True)
+            print(json.dumps(row)[:2500], flush=True)
+            (out / "aoti_probe.json").write_text(json.dumps(result, indent=1))
         (out / "aoti_probe.json").write_text(json.dumps(result, indent=1))
-    (out / "aoti_probe.json").write_text(json.dumps(result, indent=1))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # the toy packages and their caches
     return 0
 
 
