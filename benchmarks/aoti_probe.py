@@ -146,44 +146,29 @@ def toolchain(cxx: str) -> dict[str, Any]:
     return facts
 
 
-def process_libstdcxx() -> list[str]:
-    """The libstdc++ a process that imported torch has mapped (the runtime the package's code meets)."""
-    code = (
-        "import torch, torch._inductor;"
-        "print('\\n'.join(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l})))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    return [os.path.realpath(x) for x in out.stdout.split()]
-
-
 def wrapper_facts(package: Path) -> dict[str, Any]:
-    """NEEDED libraries of the package's wrapper .so and how many libstdc++ locale symbols it defines
-    itself (a copy of the runtime inside the .so would show here)."""
+    """NEEDED libraries of the package's wrapper .so, and whether it carries its own copy of
+    libstdc++ (what set the H100 image's crashing packages apart)."""
     import zipfile
 
-    facts: dict[str, Any] = {}
+    from rapiddiff.infer import aoti_toolchain
+
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(package) as zf:
         names = [n for n in zf.namelist() if n.endswith(".so")]
         if not names:
             return {"error": "no .so in the package"}
         so = Path(zf.extract(names[0], tmp))
-        from rapiddiff.infer import aoti_toolchain
-
-        # what separates the H100 image's crashing packages: a copy of libstdc++ inside the .so
-        facts["carries_libstdcxx_copy"] = aoti_toolchain._defines(so, aoti_toolchain.RUNTIME_SYMBOL)
-        for tool, args in (("readelf", ["-d"]), ("nm", ["-C", "--defined-only"])):
-            try:
-                text = subprocess.check_output([tool, *args, str(so)], text=True, stderr=subprocess.STDOUT)
-            except (OSError, subprocess.SubprocessError) as err:
-                facts[tool] = str(err)
-                continue
-            if tool == "readelf":
-                facts["needed"] = [
-                    line.split("[")[-1].rstrip("]") for line in text.splitlines() if "NEEDED" in line
-                ]
-            else:
-                facts["defines_locale_symbols"] = sum("std::locale" in line for line in text.splitlines())
-                facts["defines_regex_symbols"] = sum("regex" in line for line in text.splitlines())
+        facts: dict[str, Any] = {
+            "carries_libstdcxx_copy": aoti_toolchain._defines(so, aoti_toolchain.RUNTIME_SYMBOL)
+        }
+        try:
+            text = subprocess.check_output(["readelf", "-d", str(so)], text=True, stderr=subprocess.STDOUT)
+        except (OSError, subprocess.SubprocessError) as err:
+            facts["readelf"] = str(err)
+        else:
+            facts["needed"] = [
+                line.split("[")[-1].rstrip("]") for line in text.splitlines() if "NEEDED" in line
+            ]
     return facts
 
 
@@ -207,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="aoti-probe-"))
     try:
-        result: dict[str, Any] = {"process_libstdcxx": process_libstdcxx(), "builds": []}
+        # importing fast_aoti imports torch, which maps libstdc++ here as in any process that loads a package
         from rapiddiff.infer import aoti_toolchain
+        from rapiddiff.infer.fast_aoti import loaded_libstdcxx
+
+        result: dict[str, Any] = {"process_libstdcxx": [loaded_libstdcxx()], "builds": []}
 
         cxxs = args.cxx or aoti_toolchain.candidates()
         result["toolchains"] = [toolchain(c) for c in cxxs]

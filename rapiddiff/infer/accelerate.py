@@ -893,6 +893,14 @@ def describe(report: dict[str, str]) -> str:
     return "; ".join(f"{k}: {v}" for k, v in report.items())
 
 
+def _raise_recompile_limit(limit: int) -> None:
+    """Let Dynamo keep ``limit`` graphs per code object (never lowers a larger setting)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+
+
 __all__ = [
     "AUTOTUNE_MODES",
     "AccelerateConfig",
@@ -904,11 +912,3 @@ __all__ = [
     "describe",
     "gemms_on_aten",
 ]
-
-
-def _raise_recompile_limit(limit: int) -> None:
-    """Let Dynamo keep ``limit`` graphs per code object (never lowers a larger setting)."""
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "accumulated_recompile_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), limit))

@@ -24,8 +24,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         "the weights files. A new process with accelerate(pipe, aoti='load') loads them instead of "
         "compiling; a stale package is rebuilt (export) or skipped (load) with the reason logged. "
         "Export builds with a C++ compiler whose code runs in this Python ($CXX if it passes, else "
-        "the first of g++, c++, g++-N that does, said in the log) and opens each new package in a fresh process before "
-        "keeping it."
+        "the first of g++, c++, g++-N that does, said in the log) and opens each new package in a "
+        "fresh process before keeping it."
     )
     sub = parser.add_subparsers(dest="action", metavar="<action>")
     sub.required = True

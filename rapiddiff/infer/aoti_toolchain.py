@@ -27,10 +27,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rapiddiff.utils.logging import get_logger
-
-log = get_logger(__name__)
-
 # What the package's model constructor does first (torch's aoti_runtime/model.h, parse_device_str).
 PROBE_SOURCE = r"""
 #include <regex>

@@ -32,6 +32,7 @@ the process that loaded them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -86,8 +87,10 @@ class PackageError(RuntimeError):
 
 
 # ---- the key ----------------------------------------------------------------------------------------
+@functools.cache
 def loaded_libstdcxx() -> str | None:
-    """The real path of the ``libstdc++`` this process has mapped, or None (none, or not Linux)."""
+    """The real path of the ``libstdc++`` this process has mapped, or None (none, or not Linux).
+    Read once: torch (imported above) has mapped it before the first call, and it stays."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -327,7 +330,7 @@ def build_package(
         # its wrapper's C++ runtime on the H100 image, BENCHMARKS issue 16) fails the build with the
         # reason, instead of killing this process or, later, a server. The names come from the
         # exported program; load_package checks the package's own against them.
-        check_loads(tmp)
+        check_loads(tmp, cxx_reason)
         names = exported_constants(program)
         live = live_constants(module)
         foreign = [n for n in names if n not in live]
@@ -362,9 +365,10 @@ def build_package(
     return manifest
 
 
-def check_loads(path: Path, timeout: float = 600) -> None:
+def check_loads(path: Path, compiler: str, timeout: float = 600) -> None:
     """Open the package at ``path`` in a new Python process; :class:`PackageError` with the exit
-    status (the signal's name on a crash) and the last lines it printed if that fails."""
+    status (the signal's name on a crash), the last lines it printed and ``compiler`` (the build's
+    choice, as :func:`aoti_toolchain.choose_compiler` explained it) if that fails."""
     code = "import sys; from pathlib import Path; from rapiddiff.infer.fast_aoti import open_package; "
     code += "print(len(open_package(Path(sys.argv[1])).get_constant_fqns()))"
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
@@ -384,8 +388,8 @@ def check_loads(path: Path, timeout: float = 600) -> None:
     tail = " | ".join(line.strip() for line in proc.stderr.strip().splitlines()[-4:])
     raise PackageError(
         f"{path.name}: the package was built but does not load in a new process ({status}: {tail[-600:]}); "
-        f"C++ compiler: {aoti_toolchain.choose_compiler()[1]}. On the H100 image this crash came from "
-        "CXX=/opt/gcc/bin/g++ and went away with the system g++: set CXX to another compiler and export again"
+        f"C++ compiler: {compiler}. A crash here has come from a compiler that links its own copy of "
+        "libstdc++ into the package: set CXX to the system g++ and export again"
     )
 
 

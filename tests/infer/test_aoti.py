@@ -146,16 +146,13 @@ def test_a_package_that_does_not_open_in_a_new_process_fails_the_build_with_the_
     with pytest.raises(
         fast_aoti.PackageError, match=r"unet-bad.pt2: the package was built but does not load .*exit 1"
     ):
-        fast_aoti.check_loads(bad)
+        fast_aoti.check_loads(bad, "g++ (its C++ runs here)")
     crashed = subprocess.CompletedProcess(
         [], -11, "", "Fatal Python error: Segmentation fault\n  File x in open_package"
     )
     monkeypatch.setattr(fast_aoti.subprocess, "run", lambda *a, **k: crashed)
-    monkeypatch.setattr(
-        fast_aoti.aoti_toolchain, "choose_compiler", lambda: (None, "g++ (its C++ runs here)")
-    )
     with pytest.raises(fast_aoti.PackageError) as err:
-        fast_aoti.check_loads(bad)
+        fast_aoti.check_loads(bad, "g++ (its C++ runs here)")
     assert "killed by SIGSEGV: Fatal Python error: Segmentation fault | File x in open_package" in str(
         err.value
     )
