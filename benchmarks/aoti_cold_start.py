@@ -17,6 +17,14 @@ One run, on one GPU (results under ``--out``, default $OUT):
 4. parity: the ``aoti`` and ``regional-cache`` processes' final latents and first images against
    ``compile-cache``'s.
 
+Python's bytecode decides a third of a package process's start: the device image sets
+``PYTHONDONTWRITEBYTECODE=1`` and ships torch without ``__pycache__``, so every process there compiled
+every imported module from source (19 s of a package process's 25 s went to imports). An installed
+environment has bytecode (pip compiles it at install), so the device scripts run ``compileall``
+first; ``--no-bytecode-round`` adds one ``aoti-nopyc`` process that reads none
+(``PYTHONPYCACHEPREFIX`` set to an empty folder), the same run's control. ``meta.bytecode`` records
+what the processes found.
+
     python benchmarks/aoti_cold_start.py --preset sd15 --steps 50 --rounds 2 --budget-s 450 --timeout-s 300
 
 ``--preset tiny --device cpu`` runs the same sequence on a CPU (a smoke test of the script, not a
@@ -60,6 +68,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="all rounds of one variant before the next (default: interleaved)",
     )
+    p.add_argument(
+        "--no-bytecode-round",
+        action="store_true",
+        help="after the packages' rounds, one package process that reads no compiled bytecode",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new process after this many s")
@@ -90,7 +103,7 @@ def child(spec: dict[str, Any]) -> None:
     classes = time.time()
     pipe = RapidDiffusionPipeline.from_pretrained(spec["model"], device=device, dtype=dtype)
     loaded = time.time()
-    if spec["variant"] == "aoti":
+    if spec["variant"].startswith("aoti"):
         config = AccelerateConfig(dtype=spec["dtype"], aoti="load", aoti_dir=spec["packages"])
     else:
         regional = spec["variant"].startswith("regional")
@@ -148,6 +161,8 @@ def run_child(args: argparse.Namespace, variant: str, model: Path, cache: Path, 
         "guidance": args.guidance,
         "result": str(out / f"result-{variant}-{n}.pt"),
     }
+    if variant == "aoti-nopyc":  # bytecode looked up under an empty folder: every module compiled from source
+        env["PYTHONPYCACHEPREFIX"] = str(fresh / "no-bytecode")
     started = time.time()
     try:
         proc = subprocess.run(
@@ -305,11 +320,36 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_processes(variants: list[str], rounds: int, grouped: bool = False) -> list[tuple[str, int]]:
+def bytecode_facts() -> dict[str, Any]:
+    """Whether this Python writes bytecode, and whether the heavy imports have it compiled."""
+    import importlib.util
+
+    facts: dict[str, Any] = {
+        "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+        "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX"),
+    }
+    for name in ("torch", "torch._dynamo", "diffusers", "transformers", "rapiddiff"):
+        spec = importlib.util.find_spec(name)
+        if spec and spec.origin:
+            facts[name] = os.path.exists(importlib.util.cache_from_source(spec.origin))
+    return facts
+
+
+def plan_processes(
+    variants: list[str], rounds: int, grouped: bool = False, no_bytecode: bool = False
+) -> list[tuple[str, int]]:
     """Most important first, so a time budget cuts the least: packages vs today's compile cache
     (with the cache's cold first process), their further rounds in rotated order, then regional.
     ``grouped``: every round of the packages first, then the compile cache's (a budget that allows
-    one compile-cold + compile-cache still gets the packages' median)."""
+    one compile-cold + compile-cache still gets the packages' median). ``no_bytecode``: one
+    ``aoti-nopyc`` process right after the packages' last round."""
+    plan = _plan(variants, rounds, grouped)
+    if no_bytecode and "aoti" in variants:
+        plan.insert(max(i for i, (v, _) in enumerate(plan) if v == "aoti") + 1, ("aoti-nopyc", 0))
+    return plan
+
+
+def _plan(variants: list[str], rounds: int, grouped: bool) -> list[tuple[str, int]]:
     if grouped:
         plan = [("aoti", n) for n in range(rounds)] if "aoti" in variants else []
         if "compile" in variants:
@@ -331,7 +371,7 @@ def plan_processes(variants: list[str], rounds: int, grouped: bool = False) -> l
 
 def tally(result: dict[str, Any], out: Path) -> None:
     """Medians of the warm processes and parity against compile-cache (from what has run so far)."""
-    for variant in ("aoti", "compile-cache", "regional-cache"):
+    for variant in ("aoti", "aoti-nopyc", "compile-cache", "regional-cache"):
         rows = [r for r in result["processes"] if r["variant"] == variant and "error" not in r]
         if rows:
             result.setdefault("medians", {})[variant] = {
@@ -367,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model or f"random {args.preset} weights",
             "steps": args.steps,
             "guidance": args.guidance,
+            "bytecode": bytecode_facts(),
         },
         "processes": [],
     }
@@ -389,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         print("export:", json.dumps(result["export"], default=str)[:600], flush=True)
         # Most important first, so a budget cut loses the least: aoti, the cache's first (cold)
         # process, today's second process; then further rounds alternating which goes first.
-        plan = plan_processes(args.variants, args.rounds, grouped=args.grouped)
+        plan = plan_processes(args.variants, args.rounds, args.grouped, args.no_bytecode_round)
         if not any(packages.glob("*.json")):  # no package was written: nothing for aoti to load
             plan = [p for p in plan if p[0] != "aoti"]
         for variant, n in plan:

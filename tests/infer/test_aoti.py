@@ -564,6 +564,12 @@ def test_cold_start_benchmark_plans_the_key_comparison_first_and_summarises_fail
         ("compile-cache", 0),
         ("compile-cache", 1),
     ]
+    assert bench.plan_processes(["aoti", "compile"], 2, grouped=True, no_bytecode=True)[1:4] == [
+        ("aoti", 1),
+        ("aoti-nopyc", 0),
+        ("compile-cold", 0),
+    ]
+    assert ("aoti-nopyc", 0) not in bench.plan_processes(["compile"], 2, no_bytecode=True)
     meta = {"device": "cpu", "torch": "x", "date": "d", "model": "m", "steps": 2, "guidance": 7.5}
     row = {"variant": "aoti", "imported_s": 1.0, "device_ready_s": 1.2, "classes_imported_s": 1.5}
     row |= {"loaded_s": 2.0, "accelerated_s": 2.5, "first_image_s": 4.0}
