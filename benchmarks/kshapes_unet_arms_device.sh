@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 18: U-Net training recipes compared like for like, on the shipped model's own encoders (its
+# knowledge text encoder, fusion, KnowledgeStore and VAE, rapiddiff/assets/model) and its data seed,
+# so only the U-Net recipe differs. Two device calls (carrying the slim wheels, .wt/slim):
+#   bash benchmarks/kshapes_unet_arms_device.sh train OUT           # the arms side by side, packed
+#   bash benchmarks/kshapes_unet_arms_device.sh eval OUT CARRIED    # each arm and the shipped model
+# ARMS: "name:override override;name:..." (default: eps = the shipped recipe, zsnr = zero terminal
+# SNR + v-prediction); STEPS (default 10000, the cosine schedule's length); SEED (1, the shipped
+# model's data seed). The shipped text encoder samples in knowledge mode "both" but its U-Net trained
+# on the fused vectors alone ("embed"): the arms train that way too (a copy of the folder set to
+# "embed"), and the evaluation asks for embed, both and off explicitly.
+set -u
+part=$1; out=$2; work=/tmp/ka; seed=${SEED:-1}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/model
+arms=${ARMS:-"eps:;zsnr:--model.loss.prediction_type=v_prediction --model.loss.zero_terminal_snr=true"}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wt/slim/*.whl \
+  && tar xzf .wt/slim/jieba_slim.tgz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Logs go to $logs and leave as one archive: the device tool returns at most 8 files, and the two
+# models take 2 each.
+logs=$work/logs; mkdir -p "$out" $logs
+python -m rapiddiff data kshapes --out $work/data --seed "$seed" --workers 16 > $logs/data_"$part".log 2>&1 || exit 1
+if [ "$part" = train ]; then
+  cp -r $shipped $work/encoders
+  sed -i 's/"knowledge_mode": "both"/"knowledge_mode": "embed"/' $work/encoders/text_encoder/rapiddiff_encoder.json
+  IFS=';' read -ra specs <<< "$arms"
+  for spec in "${specs[@]}"; do
+    name=${spec%%:*}; extra=${spec#*:}
+    # shellcheck disable=SC2086  # $extra: the arm's overrides, one word each
+    python -m rapiddiff train unet --config configs/unet/kshapes.yaml --trainer.max_steps="$steps" \
+      --trainer.max_time=00:00:07:20 --trainer.precision=bf16-mixed --trainer.enable_progress_bar=false \
+      --trainer.default_root_dir=$work/runs/"$name" --output=$work/"$name"/model \
+      --data.train=$work/data/train --data.val=$work/data/val --data.num_workers=3 \
+      --seed_everything="$seed" --data.seed="$seed" --model.seed="$seed" \
+      --model.vae=$work/encoders/vae --model.text_encoder=$work/encoders \
+      --model.speed.gpu_data=true --model.speed.foreach_ema=true --model.speed.cuda_graph=true \
+      --model.optim.fused=true --model.speed.sync_every=10 $extra > $logs/train_"$name".log 2>&1 &
+  done
+  wait
+  for spec in "${specs[@]}"; do
+    name=${spec%%:*}
+    python - "$work/$name" "$work/data" "$shipped" <<'PY' >> $logs/assemble.log 2>&1
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "benchmarks")
+from kshapes_chain import assemble_builtin_model, record_kg_only_entities
+
+run, data, shipped = map(Path, sys.argv[1:])
+assemble_builtin_model(run / "model", shipped / "upscaler" / "upscaler.safetensors", data, run / "builtin", 25)
+record_kg_only_entities(data, run / "builtin")
+print(run.name, "assembled")
+PY
+    # without the files every arm shares with the shipped model (frozen VAE and text tower, its
+    # upscaler): the eval call puts them back, so three arms and the wheels fit the 64 MiB carry
+    [ -d $work/"$name"/builtin ] && tar czf - -C $work/"$name" --exclude=vae/diffusion_pytorch_model.safetensors \
+      --exclude=text_encoder/model.safetensors --exclude=upscaler/upscaler.safetensors builtin \
+      | split -b 15m - "$out/$name.tgz."
+  done
+  grep -h "step $steps/$steps\|stopped" $logs/train_*.log
+  tar czf "$out/logs.tgz" $logs $(find $work/runs -name "metrics.csv" -o -name "*.png") 2>/dev/null
+else
+  carried=$3
+  models=("shipped=$shipped")
+  for first in "$carried"/*.tgz.aa; do
+    name=$(basename "$first" .tgz.aa); mkdir -p $work/"$name"
+    cat "$carried/$name".tgz.* | tar xzf - -C $work/"$name" || continue
+    for f in vae/diffusion_pytorch_model.safetensors text_encoder/model.safetensors upscaler/upscaler.safetensors; do
+      [ -f $work/"$name"/builtin/$f ] || cp $shipped/$f $work/"$name"/builtin/$f
+    done
+    models+=("$name=$work/$name/builtin")
+  done
+  if [ -d $work/zsnr/builtin ]; then  # the zero-SNR arm again with CFG rescale 0.7 (Lin et al. 2024 §3.4)
+    mkdir -p $work/zsnr_r07 && cp -r $work/zsnr/builtin $work/zsnr_r07/ && models+=("zsnr_r07=$work/zsnr_r07/builtin")
+    python -c "import json, sys; p = sys.argv[1]; d = json.load(open(p)); d['sampling']['guidance_rescale'] = 0.7; json.dump(d, open(p, 'w'), indent=2)" \
+      $work/zsnr_r07/builtin/rapiddiff.json
+  fi
+  for entry in "${models[@]}"; do
+    name=${entry%%=*}; model=${entry#*=}
+    (
+      python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_entities \
+        --splits seen,heldout,val --modes embed,both,off --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_entities.log 2>&1
+      python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_attribute \
+        --splits attribute --modes embed --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_attribute.log 2>&1
+    ) &
+  done
+  wait
+  for entry in "${models[@]}"; do
+    name=${entry%%=*}
+    for kind in entities attribute; do
+      { echo "## $name, $kind"; cat $work/eval_"$name"_$kind/knowledge.md; } >> "$out/knowledge.md" 2>/dev/null
+    done
+  done
+  tar czf "$out/eval.tgz" $logs $(find $work -path "*eval_*" \( -name "*.json" -o -name "*.png" \) | grep -v /images/) 2>/dev/null
+fi
+ls -la "$out"
