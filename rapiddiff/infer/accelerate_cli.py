@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
 HELP = "AOTInductor packages of the fast path beside a model folder: export, check"
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.utils.device import resolve_device
+    from rapiddiff.utils.imports import bytecode_advice, missing_bytecode
 
     switches = parse_switches(args.switches)
     mode = "build" if args.action == "export" else "load"
@@ -112,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         row = {"batch": batch, **{k: v for k, v in pipe.report.items() if k.startswith("aoti")}}
         print(json.dumps(row, ensure_ascii=False), flush=True)
         failed |= any(str(v).startswith("fallback") for k, v in row.items() if k != "batch")
+    # Packages make compiling free; what a new process then spends is its imports (BENCHMARKS.md).
+    advice = bytecode_advice(missing_bytecode())
+    if advice:
+        logging.getLogger(__name__).warning("%s", advice)
     if failed and args.action == "export":
         raise RuntimeError("some packages could not be built or loaded; see the reasons above")
     return 1 if failed else 0

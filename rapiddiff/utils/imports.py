@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Iterable
 from types import ModuleType
@@ -70,3 +71,40 @@ def import_module(name: str, defer: Iterable[str] = ()) -> ModuleType:
             importlib.import_module(parent)
         _defer_package(package)
     return importlib.import_module(name)
+
+
+# The libraries a generating process imports; their bytecode decides a third of its start.
+HEAVY_IMPORTS = ("torch", "diffusers", "transformers")
+
+
+def missing_bytecode(names: Iterable[str] = HEAVY_IMPORTS) -> list[str]:
+    """The installed packages among ``names`` without compiled bytecode beside their ``__init__``
+    (where this Python looks: ``__pycache__`` or ``sys.pycache_prefix``) — a proxy for the whole
+    package, which one check per package keeps instant.
+
+    A container that sets ``PYTHONDONTWRITEBYTECODE=1`` over a ``pip install --no-compile`` (or an
+    image that ships torch without ``__pycache__``) compiles every imported module from source in
+    every new process: on the H100 machine that doubled a package process's start (23.5 s vs
+    11.1 s to full speed, BENCHMARKS.md). ``python -m compileall`` fixes it once."""
+    missing = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue  # not installed, or not a source package
+        if not os.path.exists(importlib.util.cache_from_source(spec.origin)):
+            missing.append(name)
+    return missing
+
+
+def bytecode_advice(missing: Iterable[str]) -> str | None:
+    """One line saying how to compile the bytecode ``missing`` names, or None when nothing is missing."""
+    names = list(missing)
+    if not names:
+        return None
+    folders = sorted({os.path.dirname(os.path.dirname(importlib.util.find_spec(n).origin)) for n in names})
+    return (
+        f"no compiled bytecode for {', '.join(names)}: every new process compiles their modules from "
+        f"source (PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', 'unset')}; about "
+        f"twice the start of a package process). Compile it once: python -m compileall -q -j 0 "
+        + " ".join(folders)
+    )

@@ -88,3 +88,16 @@ def test_already_imported_or_missing_packages_are_left_alone(package):
     assert import_module("demo_pkg.zoo.leaf", defer=["demo_pkg.zoo"]).LEAF == "leaf!"
     assert import_module("demo_pkg.other", defer=["demo_pkg.nowhere"]).OTHER == "!"
     assert "demo_pkg.nowhere" not in sys.modules
+
+
+def test_missing_bytecode_names_a_package_without_pyc_until_it_is_compiled(package, monkeypatch):
+    import compileall
+
+    from rapiddiff.utils.imports import bytecode_advice, missing_bytecode
+
+    monkeypatch.setattr(sys, "pycache_prefix", None)  # look in __pycache__ beside the source
+    assert missing_bytecode(["demo_pkg", "no_such_package_here"]) == ["demo_pkg"]
+    advice = bytecode_advice(["demo_pkg"])
+    assert "demo_pkg" in advice and f"compileall -q -j 0 {package.parent}" in advice
+    assert compileall.compile_dir(str(package), quiet=1)
+    assert missing_bytecode(["demo_pkg"]) == [] and bytecode_advice([]) is None
