@@ -93,6 +93,23 @@ def _load_store(path: str) -> Any:
     return KnowledgeStore.load(path)
 
 
+def _entities_with_facts(store: Any, relations: list[str] | None) -> torch.Tensor | None:
+    """[n_entities] bool: heads a fact of one of ``relations``; None when ``relations`` is None."""
+    if relations is None or store is None:  # without knowledge nothing is hidden anyway
+        return None
+    names = store.relation_names
+    unknown = [r for r in relations if r not in names]
+    if unknown:
+        raise ValueError(
+            f"entity_token_dropout_relations: {unknown} not in the store's relations ({', '.join(names)})"
+        )
+    triples = store.triples
+    chosen = torch.isin(triples[:, 1], torch.tensor([names.index(r) for r in relations]))
+    hideable = torch.zeros(len(store), dtype=torch.bool)
+    hideable[triples[chosen, 0]] = True
+    return hideable
+
+
 def build_clip(
     *,
     init_from: str | None,
@@ -147,6 +164,13 @@ class CLIPTraining(RapidModule):
         fusion_layers: encoder layers whose input receives knowledge.
         max_relations: ``e + r`` items per entity.
         entity_token_dropout: chance that an entity mention's tokens are hidden (knowledge on only).
+        entity_token_dropout_relations: hide only mentions of entities that head a fact of one of
+            these relations (the things the KG describes: 番茄 has 颜色; the attribute word 红色
+            has no 颜色 of its own), so attribute words stay readable and the tower learns them as
+            words. None: every linked mention. On kshapes with None and dropout 1.0 the tower never
+            saw a colour, shape or background word (they are KG entities too): a U-Net trained on
+            its states without knowledge draws them at chance and positions 99.5 % right
+            (BENCHMARKS.md, issue 18).
         mask_entity_mentions: the saved encoder replaces entity mentions by [MASK] at inference
             (knowledge on), so an entity is known only through the KG. On kshapes (H200,
             2026-11-22) it lowered held-out R@1 (18.8 → 9.4 with entity_token_dropout 1.0): off.
@@ -175,6 +199,7 @@ class CLIPTraining(RapidModule):
         fusion_layers: list[int] | None = None,
         max_relations: int = 8,
         entity_token_dropout: float = 0.5,
+        entity_token_dropout_relations: list[str] | None = None,
         mask_entity_mentions: bool = False,
         knowledge_item_dropout: float = 0.0,
         freeze: Freeze = "none",
@@ -220,6 +245,9 @@ class CLIPTraining(RapidModule):
         self._resident: ResidentPairs | None = None  # speed.gpu_data: the training set on the device
         self._graphed: GraphedLoss | None = None  # speed.cuda_graph, from step GRAPH_WARMUP_STEPS on
         self._hide_ids: tuple[int, int, int] | None = None  # [MASK] id, random-id range (cached)
+        # Which entity ids may be hidden (None: all); a buffer, so it follows the module's device.
+        hideable = _entities_with_facts(store, entity_token_dropout_relations)
+        self.register_buffer("_hideable", hideable, persistent=False)
 
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:
@@ -318,6 +346,8 @@ class CLIPTraining(RapidModule):
         if fixed_shapes is None:
             fixed_shapes = input_ids.device.type != "cpu"
         linked = token_entity_ids >= 0
+        if self._hideable is not None:  # only the entities the KG describes (entity_token_dropout_relations)
+            linked = linked & self._hideable[token_entity_ids.clamp(min=0)]
         if not fixed_shapes and not bool(linked.any()):
             return input_ids
         prev = F.pad(token_entity_ids[:, :-1], (1, 0), value=-1)

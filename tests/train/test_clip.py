@@ -121,6 +121,27 @@ def test_entity_tokens_are_hidden_whole_mentions_at_a_time(tiny_setup):
     )
 
 
+def test_entity_token_dropout_relations_hides_described_entities_and_keeps_attribute_words(tiny_setup):
+    kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
+    store = str(tiny_setup / "store")
+    module = clip_train.CLIPTraining(
+        **kwargs, knowledge_store=store, entity_token_dropout=1.0, entity_token_dropout_relations=["颜色"]
+    )
+    batch = module.model.text_encoder.tokenize(["左边有一个红色的方形", "一个番茄"])
+    ids, tokens = batch["token_entity_ids"], batch["input_ids"]
+    hidden = module.hide_entity_tokens(tokens, ids)
+    described = ids == 0  # 番茄 heads (番茄, 颜色, 红色); 红色 and 方形 head nothing
+    assert described.sum() == 2 and ((ids >= 0) & ~described).sum() == 4
+    assert (hidden[described] != tokens[described]).all()
+    assert torch.equal(hidden[~described], tokens[~described])  # attribute words stay readable
+    assert torch.equal(
+        module.hide_entity_tokens(tokens, ids, fixed_shapes=True)[~described], tokens[~described]
+    )
+    with pytest.raises(ValueError, match=r"\['材质'\] not in the store's relations \(颜色, 形状\)"):
+        clip_train.CLIPTraining(**kwargs, knowledge_store=store, entity_token_dropout_relations=["材质"])
+    assert clip_train.CLIPTraining(**kwargs, entity_token_dropout_relations=["颜色"])._hideable is None
+
+
 class _ParseOnly(RapidCLI):
     def instantiate_classes(self) -> None:  # parse and type-check the YAML, build nothing
         pass
