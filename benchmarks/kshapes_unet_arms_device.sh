@@ -4,6 +4,7 @@
 # so only the U-Net recipe differs. Two device calls (carrying the slim wheels, .wt/slim):
 #   bash benchmarks/kshapes_unet_arms_device.sh train OUT           # the arms side by side, packed
 #   bash benchmarks/kshapes_unet_arms_device.sh eval OUT CARRIED    # each arm and the shipped model
+#   bash benchmarks/kshapes_unet_arms_device.sh all OUT             # both in one call (arms only)
 # ARMS: "name:override override;name:..." (default: eps = the shipped recipe, zsnr = zero terminal
 # SNR + v-prediction); STEPS (default 10000, the cosine schedule's length); SEED (1, the shipped
 # model's data seed). The shipped text encoder samples in knowledge mode "both" but its U-Net trained
@@ -12,16 +13,28 @@
 set -u
 part=$1; out=$2; work=/tmp/ka; seed=${SEED:-1}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/model
 arms=${ARMS:-"eps:;zsnr:--model.loss.prediction_type=v_prediction --model.loss.zero_terminal_snr=true"}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wt/slim/*.whl \
-  && tar xzf .wt/slim/jieba_slim.tgz -C /tmp/site || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.wt/slim}/*.whl \
+  && tar xzf ${WHEELS:-.wt/slim}/jieba_slim.tgz -C /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Logs go to $logs and leave as one archive: the device tool returns at most 8 files, and the two
 # models take 2 each.
+rm -rf $work  # a warm machine keeps the last call's folder
 logs=$work/logs; mkdir -p "$out" $logs
-python -m rapiddiff data kshapes --out $work/data --seed "$seed" --workers 16 > $logs/data_"$part".log 2>&1 || exit 1
-if [ "$part" = train ]; then
+python -m rapiddiff data kshapes --out $work/data --seed "$seed" --workers 16 > $logs/data_"$part".log 2>&1 || { tail -20 $logs/data_"$part".log; exit 1; }
+if [ "$part" != eval ]; then
   cp -r $shipped $work/encoders
   sed -i 's/"knowledge_mode": "both"/"knowledge_mode": "embed"/' $work/encoders/text_encoder/rapiddiff_encoder.json
+  # the same encoders without knowledge: an arm with --model.text_encoder=/tmp/ka/encoders_nokg
+  # --model.trainable=[unet] trains a U-Net on the base tower's states alone (no fused vectors)
+  cp -r $work/encoders $work/encoders_nokg && rm -rf $work/encoders_nokg/knowledge
+  # and both with the tower in fp32 (the shipped folder is fp16): for arms that train it
+  # (--model.trainable=[...,text_encoder] with --model.text_encoder=/tmp/ka/encoders32 or encoders_nokg32)
+  for e in encoders encoders_nokg; do
+    cp -r $work/$e $work/${e}32
+    python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from kshapes_chain import cast_safetensors; cast_safetensors(Path(sys.argv[1]), 'float32')" \
+      $work/${e}32/text_encoder
+    sed -i 's/"dtype": "float16"/"dtype": "float32"/' $work/${e}32/text_encoder/config.json  # transformers loads the config's dtype
+  done
   IFS=';' read -ra specs <<< "$arms"
   for spec in "${specs[@]}"; do
     name=${spec%%:*}; extra=${spec#*:}
@@ -47,24 +60,28 @@ from kshapes_chain import assemble_builtin_model, record_kg_only_entities
 
 run, data, shipped = map(Path, sys.argv[1:])
 assemble_builtin_model(run / "model", shipped / "upscaler" / "upscaler.safetensors", data, run / "builtin", 25)
-record_kg_only_entities(data, run / "builtin")
+if (run / "builtin" / "knowledge").exists():  # a no-knowledge arm has no store to link with
+    record_kg_only_entities(data, run / "builtin")
 print(run.name, "assembled")
 PY
-    # without the files every arm shares with the shipped model (frozen VAE and text tower, its
-    # upscaler): the eval call puts them back, so three arms and the wheels fit the 64 MiB carry
+    # without the files every arm shares with the shipped model (the frozen VAE, its upscaler): the
+    # eval call puts them back, so three arms and the wheels fit the 64 MiB carry
     [ -d $work/"$name"/builtin ] && tar czf - -C $work/"$name" --exclude=vae/diffusion_pytorch_model.safetensors \
-      --exclude=text_encoder/model.safetensors --exclude=upscaler/upscaler.safetensors builtin \
-      | split -b 15m - "$out/$name.tgz."
+      --exclude=upscaler/upscaler.safetensors builtin | split -b 15m - "$out/$name.tgz."
   done
   grep -h "step $steps/$steps\|stopped" $logs/train_*.log
   tar czf "$out/logs.tgz" $logs $(find $work/runs -name "metrics.csv" -o -name "*.png") 2>/dev/null
-else
+fi
+if [ "$part" = all ]; then
+  models=()
+  for spec in "${specs[@]}"; do name=${spec%%:*}; [ -d $work/"$name"/builtin ] && models+=("$name=$work/$name/builtin"); done
+elif [ "$part" = eval ]; then
   carried=$3
-  models=("shipped=$shipped")
+  models=(); [ "${SHIPPED:-1}" = 1 ] && models=("shipped=$shipped")  # SHIPPED=0: the arms alone
   for first in "$carried"/*.tgz.aa; do
     name=$(basename "$first" .tgz.aa); mkdir -p $work/"$name"
     cat "$carried/$name".tgz.* | tar xzf - -C $work/"$name" || continue
-    for f in vae/diffusion_pytorch_model.safetensors text_encoder/model.safetensors upscaler/upscaler.safetensors; do
+    for f in vae/diffusion_pytorch_model.safetensors upscaler/upscaler.safetensors; do
       [ -f $work/"$name"/builtin/$f ] || cp $shipped/$f $work/"$name"/builtin/$f
     done
     models+=("$name=$work/$name/builtin")
@@ -74,13 +91,17 @@ else
     python -c "import json, sys; p = sys.argv[1]; d = json.load(open(p)); d['sampling']['guidance_rescale'] = 0.7; json.dump(d, open(p, 'w'), indent=2)" \
       $work/zsnr_r07/builtin/rapiddiff.json
   fi
+fi
+if [ "$part" != train ]; then
   for entry in "${models[@]}"; do
     name=${entry%%=*}; model=${entry#*=}
+    entity_modes=embed,both,off; attribute_modes=embed
+    [ -d "$model/knowledge" ] || { entity_modes=off; attribute_modes=off; }  # a no-knowledge arm
     (
       python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_entities \
-        --splits seen,heldout,val --modes embed,both,off --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_entities.log 2>&1
+        --splits seen,heldout,val --modes $entity_modes --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_entities.log 2>&1
       python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_attribute \
-        --splits attribute --modes embed --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_attribute.log 2>&1
+        --splits attribute --modes $attribute_modes --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_attribute.log 2>&1
     ) &
   done
   wait
