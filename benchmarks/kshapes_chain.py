@@ -101,7 +101,10 @@ class ChainConfig:
     the text, not from the noise's mean. The built-in model then samples with DDIM, trailing timesteps."""
     guidance_rescale: float = 0.0
     """CFG rescale the built-in model records as its default (0.7 is Lin et al.'s with zero SNR)."""
-    """FID on the knowledge-on CLIP's image tower (needs the full CLIP folder, not a packed one)."""
+    clip_hide_relations: list[str] | None = None
+    """the knowledge CLIP's ``model.entity_token_dropout_relations``: hide only mentions of entities
+    with facts of these relations (["颜色", "形状"]: the objects, not the attribute words); None: the
+    stage config's (every mention). BENCHMARKS.md, issue 18: "the text tower never read an attribute word"."""
 
 
 def main() -> int:
@@ -252,6 +255,10 @@ class Chain:
                 knowledge = (
                     [f"--model.knowledge_store={store}"] if mode == "on" else ["--model.knowledge=false"]
                 )
+                if mode == "on" and self.cfg.clip_hide_relations is not None:
+                    knowledge.append(
+                        f"--model.entity_token_dropout_relations=[{','.join(self.cfg.clip_hide_relations)}]"
+                    )
                 jobs[f"clip_{mode}"] = self.training("clip", self.cfg.clip, out, *data, *knowledge)
         if self.train_vae and not _done(self.out / "vae"):
             jobs["vae"] = self.training("vae", self.cfg.vae, self.out / "vae", *data)
