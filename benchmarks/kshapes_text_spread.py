@@ -1,0 +1,72 @@
+"""How much a text tower's states move with each kind of attribute word (issue 18 diagnostic).
+
+For each kind (colour, shape, background, position) the kshapes attribute template is filled with
+every word of that kind, the others held fixed; the tower encodes the prompts and the spread is the
+distance of each prompt's states from their mean, per token position, averaged over the prompts and
+summed over positions. A word the tower cannot read barely moves its states (the U-Net conditioned
+on them then draws that attribute at chance): the kshapes CLIP stage with ``entity_token_dropout:
+1.0`` hid every KG-entity mention, attribute words included, and its tower's colour spread with
+knowledge off was 7.1 against 106.8 for position words (BENCHMARKS.md).
+
+    python benchmarks/kshapes_text_spread.py MODEL [MODEL ...]   # model or CLIP-stage folders
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+KINDS = {
+    "colour": (
+        "灰色背景的中间有一个{}的圆形",
+        ["红色", "橙色", "黄色", "绿色", "蓝色", "紫色", "黑色", "白色"],
+    ),
+    "shape": ("灰色背景的中间有一个红色的{}", ["圆形", "三角形", "方形", "星形", "椭圆形", "长条形"]),
+    "background": (
+        "{}背景的中间有一个红色的圆形",
+        ["灰色", "粉色", "米色", "浅蓝色", "浅绿色", "深蓝色", "深绿色"],
+    ),
+    "position": ("灰色背景的{}有一个红色的圆形", ["左边", "中间", "右边"]),
+}
+
+
+def spread(encoder: torch.nn.Module, prompts: list[str]) -> float:
+    with torch.no_grad():
+        states = encoder.encode(prompts).float()  # (N, L, D)
+    return float((states - states.mean(0, keepdim=True)).norm(dim=-1).mean(0).sum())
+
+
+def measure(folder: Path) -> dict[str, dict[str, float]]:
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+    encoder = KnowledgeTextEncoder.from_pretrained(folder).float().eval()
+    modes: dict[str, bool | str] = {"off": False}
+    if encoder.fusion is not None:
+        modes["embed"] = "embed"
+    results = {}
+    for mode, value in modes.items():
+        encoder.set_knowledge(value)
+        results[mode] = {
+            kind: spread(encoder, [template.format(w) for w in words])
+            for kind, (template, words) in KINDS.items()
+        }
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("models", nargs="+", type=Path, help="folders with text_encoder/ + tokenizer/")
+    args = p.parse_args()
+    results = {str(m): measure(m) for m in args.models}
+    print(json.dumps(results, indent=1, ensure_ascii=False))
+    print("\n| model | knowledge | " + " | ".join(KINDS) + " |\n|---|---|" + "---:|" * len(KINDS))
+    for model, modes in results.items():
+        for mode, row in modes.items():
+            print(f"| {model} | {mode} | " + " | ".join(f"{row[k]:.1f}" for k in KINDS) + " |")
+
+
+if __name__ == "__main__":
+    main()
