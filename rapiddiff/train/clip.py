@@ -13,6 +13,9 @@ mention's tokens are replaced — half the time by [MASK], half by random vocabu
 its knowledge is still injected. A model that can always read the entity's name memorises names
 and ignores the KG; hiding the name makes it learn to read the injected knowledge, which is the
 only thing a held-out entity (a name never seen in training, i.e. untrained tokens) brings.
+``entity_token_dropout_relations`` limits it to the entities the KG describes (heads of those
+relations): attribute words that are KG entities too (红色, 三角形) stay readable, or the tower never
+learns them as words.
 
 Speed (``model.speed``, :class:`CLIPSpeed`): none of the switches changes what the model learns.
 ``gpu_data`` decodes every training image once and keeps images and tokens on the GPU (the loader
