@@ -322,17 +322,15 @@ def summary(result: dict[str, Any]) -> str:
 
 def bytecode_facts() -> dict[str, Any]:
     """Whether this Python writes bytecode, and whether the heavy imports have it compiled."""
-    import importlib.util
+    from rapiddiff.utils.imports import missing_bytecode
 
-    facts: dict[str, Any] = {
+    names = ("torch", "torch._dynamo", "diffusers", "transformers", "rapiddiff")
+    missing = set(missing_bytecode(names))
+    return {
         "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
         "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX"),
+        **{name: name not in missing for name in names},
     }
-    for name in ("torch", "torch._dynamo", "diffusers", "transformers", "rapiddiff"):
-        spec = importlib.util.find_spec(name)
-        if spec and spec.origin:
-            facts[name] = os.path.exists(importlib.util.cache_from_source(spec.origin))
-    return facts
 
 
 def plan_processes(

@@ -9,13 +9,14 @@
 # SNR + v-prediction); STEPS (default 10000, the cosine schedule's length); SEED (1, the shipped
 # model's data seed). The shipped text encoder samples in knowledge mode "both" but its U-Net trained
 # on the fused vectors alone ("embed"): the arms train that way too (a copy of the folder set to
-# "embed"), and the evaluation asks for embed, both and off explicitly.
+# "embed"), and the evaluation asks for embed, both and off explicitly. SHIPPED=0: eval the arms
+# alone. WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a
+# slimmer set than .wt/slim: without pykeen and its dependencies, pydantic, datasets, torch-fidelity
+# and lmdb, which `eval knowledge` and `data kshapes` do not import).
 set -u
 part=$1; out=$2; work=/tmp/ka; seed=${SEED:-1}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/model
 arms=${ARMS:-"eps:;zsnr:--model.loss.prediction_type=v_prediction --model.loss.zero_terminal_snr=true"}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.wt/slim}/*.whl \
-  && tar xzf ${WHEELS:-.wt/slim}/jieba_slim.tgz -C /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source benchmarks/device/install_wheels.sh || exit 1
 # Logs go to $logs and leave as one archive: the device tool returns at most 8 files, and the two
 # models take 2 each.
 rm -rf $work  # a warm machine keeps the last call's folder

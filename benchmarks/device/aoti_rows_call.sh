@@ -4,9 +4,7 @@
 # processes. Usage: bash benchmarks/device/aoti_rows_call.sh $OUT   (carrying .wt/slim)
 set -u
 out=$1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wt/slim/*.whl \
-  && tar xzf .wt/slim/jieba_slim.tgz -C /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source benchmarks/device/install_wheels.sh || exit 1
 echo "CXX=${CXX:-unset}"
 left=$((345 - SECONDS))
 timeout $left python3 benchmarks/aoti_cold_start.py --preset sd15 --steps 50 --variants aoti --rounds 3 \

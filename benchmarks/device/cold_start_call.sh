@@ -10,9 +10,7 @@
 #   bash benchmarks/device/cold_start_call.sh $OUT
 set -u
 out=$1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wt/slim/*.whl \
-  && tar xzf .wt/slim/jieba_slim.tgz -C /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source benchmarks/device/install_wheels.sh || exit 1
 mkdir -p "$out"
 site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
 s=$EPOCHREALTIME
