@@ -6,9 +6,12 @@ distance of each prompt's states from their mean, per token position, averaged o
 summed over positions. A word the tower cannot read barely moves its states (the U-Net conditioned
 on them then draws that attribute at chance): the kshapes CLIP stage with ``entity_token_dropout:
 1.0`` hid every KG-entity mention, attribute words included, and its tower's colour spread with
-knowledge off was 7.1 against 106.8 for position words (BENCHMARKS.md).
+knowledge off was 7.0 against 106.8 for position words (BENCHMARKS.md).
 
     python benchmarks/kshapes_text_spread.py MODEL [MODEL ...]   # model or CLIP-stage folders
+
+It also prints the centred cosine between colours at the colour word's tokens (neighbouring
+colours, the ones the generator confuses).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +35,8 @@ KINDS = {
     ),
     "position": ("灰色背景的{}有一个红色的圆形", ["左边", "中间", "右边"]),
 }
+# Colour pairs the kshapes generator confuses (orange drawn red, yellow drawn orange), and a far pair.
+NEIGHBOURS = [("红色", "橙色"), ("橙色", "黄色"), ("黑色", "白色")]
 
 
 def spread(encoder: torch.nn.Module, prompts: list[str]) -> float:
@@ -39,7 +45,23 @@ def spread(encoder: torch.nn.Module, prompts: list[str]) -> float:
     return float((states - states.mean(0, keepdim=True)).norm(dim=-1).mean(0).sum())
 
 
-def measure(folder: Path) -> dict[str, dict[str, float]]:
+def colour_cosines(encoder: torch.nn.Module) -> dict[str, float]:
+    """Cosine between colours' states at the colour word's tokens, centred over the colours: how
+    alike the conditioning is for neighbouring colours (the ones the generator confuses)."""
+    template, words = KINDS["colour"]
+    prompts = [template.format(w) for w in words]
+    ids = encoder.tokenize(prompts)["input_ids"]
+    where = (ids != ids[:1]).any(0)  # the colour word's token positions
+    with torch.no_grad():
+        states = encoder.encode(prompts).float()[:, where].flatten(1)
+    unit = torch.nn.functional.normalize(states - states.mean(0, keepdim=True), dim=-1)
+    cos = unit @ unit.T
+    pairs = {f"{a}-{b}": float(cos[words.index(a), words.index(b)]) for a, b in NEIGHBOURS}
+    others = cos[~torch.eye(len(words), dtype=torch.bool)]
+    return {**pairs, "min": float(others.min()), "max": float(others.max())}
+
+
+def measure(folder: Path) -> dict[str, dict[str, Any]]:
     from rapiddiff.models.text_encoder import KnowledgeTextEncoder
 
     encoder = KnowledgeTextEncoder.from_pretrained(folder).float().eval()
@@ -53,6 +75,7 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
             kind: spread(encoder, [template.format(w) for w in words])
             for kind, (template, words) in KINDS.items()
         }
+        results[mode]["colour_cosines"] = colour_cosines(encoder)
     return results
 
 
@@ -66,6 +89,7 @@ def main() -> None:
     for model, modes in results.items():
         for mode, row in modes.items():
             print(f"| {model} | {mode} | " + " | ".join(f"{row[k]:.1f}" for k in KINDS) + " |")
+            print("  colour cosines:", {k: round(v, 2) for k, v in row["colour_cosines"].items()})
 
 
 if __name__ == "__main__":
