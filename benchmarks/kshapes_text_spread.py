@@ -83,6 +83,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="+", type=Path, help="folders with text_encoder/ + tokenizer/")
     args = p.parse_args()
+    for folder in args.models:
+        if not (folder / "text_encoder").is_dir():
+            p.error(f"{folder}: no text_encoder/ folder (a model folder or a CLIP stage's output)")
     results = {str(m): measure(m) for m in args.models}
     print(json.dumps(results, indent=1, ensure_ascii=False))
     print("\n| model | knowledge | " + " | ".join(KINDS) + " |\n|---|---|" + "---:|" * len(KINDS))
