@@ -117,6 +117,13 @@ class AccelerateConfig:
     during the warm-up run before the loop graph is captured; the capture and the replays use
     the picked plans. The global flag is set only inside the fast path's calls (see
     :func:`cudnn_benchmark_flag`)."""
+    fp16_accumulate: bool = False
+    """cuBLAS float16 matrix products accumulate in float16
+    (``torch.backends.cuda.matmul.allow_fp16_accumulation``) in the warm-up, the capture and the
+    replays; the flag is set only inside the fast path's calls (:func:`fp16_accumulate_flag`). Off by
+    default: it halves the accumulator width for a speed that depends on the GPU — none on an H100,
+    whose tensor cores accumulate fp16 products in fp32 at the same rate (0.94×, BENCHMARKS.md). Only
+    with a float16 U-Net on CUDA."""
     autotune: str = "off"
     """Inductor max-autotune for the compiled U-Net and VAE decoder, restricted to: "convs"
     (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS),
@@ -142,6 +149,8 @@ class AccelerateConfig:
             raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {self.autotune!r}")
         if not isinstance(self.cudnn_benchmark, bool):
             raise ValueError(f"cudnn_benchmark must be true or false; got {self.cudnn_benchmark!r}")
+        if not isinstance(self.fp16_accumulate, bool):
+            raise ValueError(f"fp16_accumulate must be true or false; got {self.fp16_accumulate!r}")
 
     @classmethod
     def off(cls, **overrides: Any) -> AccelerateConfig:
@@ -247,6 +256,20 @@ def cudnn_benchmark_flag(on: bool = True) -> Any:
         torch.backends.cudnn.benchmark = before
 
 
+@contextlib.contextmanager
+def fp16_accumulate_flag(on: bool = True) -> Any:
+    """``torch.backends.cuda.matmul.allow_fp16_accumulation = on`` for the block, the previous value
+    restored after. ATen reads it as it launches each float16 matrix product, so a CUDA graph
+    captured inside replays fp16-accumulating kernels whatever the flag is later."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_fp16_accumulation
+    matmul.allow_fp16_accumulation = on
+    try:
+        yield
+    finally:
+        matmul.allow_fp16_accumulation = before
+
+
 def compile_cache_file(path: str, config: AccelerateConfig) -> str:
     """The compile-cache file for ``config``: ``path`` itself with the tuning switches off, else with
     them in its name (``cache.bin`` → ``cache.autotune-convs.cudnn-benchmark.bin``), so a process never
@@ -254,6 +277,8 @@ def compile_cache_file(path: str, config: AccelerateConfig) -> str:
     tags = [f"autotune-{config.autotune}"] if config.autotune != "off" else []
     if config.cudnn_benchmark:
         tags.append("cudnn-benchmark")
+    if config.fp16_accumulate:  # not in Inductor's cache key: autotune's GEMM timings depend on it
+        tags.append("fp16-accumulate")
     if not tags:
         return path
     p = Path(path)
@@ -301,6 +326,7 @@ class GraphDenoiser:
         self._cache_state = "none"
         self._cache_path = compile_cache_file(config.compile_cache, config) if config.compile_cache else None
         self._cudnn_benchmark = False  # on where it applies (CUDA with cuDNN's plan cache)
+        self._fp16_accumulate = False  # on where it applies (CUDA, a torch with the flag, float16)
         self._autotune: dict[str, Any] = {}  # Inductor options the U-Net/decoder compile with
         self._gemm_filter = False  # autotune="convs": GEMMs kept on ATen while compiling
         self._gemm_dropped = 0
@@ -397,7 +423,7 @@ class GraphDenoiser:
             self._set("aoti", f"{cfg.aoti} ({folder}; per shape at first use)")
 
     def _setup_tuning(self) -> None:
-        """cudnn_benchmark and autotune: decide what applies here (both act at first call)."""
+        """cudnn_benchmark, fp16_accumulate and autotune: decide what applies here (all act at first call)."""
         cfg = self.config
         lru = os.environ.get("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "").strip()
         if not cfg.cudnn_benchmark:
@@ -417,6 +443,29 @@ class GraphDenoiser:
             self._set(
                 "cudnn_benchmark",
                 "on (convolutions timed in the warm-up before the capture; the flag is set only inside the fast path's calls)",
+            )
+        if not cfg.fp16_accumulate:
+            self._set("fp16_accumulate", "off")
+        elif self.device.type != "cuda":
+            self._set(
+                "fp16_accumulate",
+                f"fallback: off (cuBLAS fp16 accumulation needs a CUDA device; this is {self.device.type})",
+            )
+        elif not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):
+            self._set(
+                "fp16_accumulate",
+                f"fallback: off (torch {torch.__version__} has no torch.backends.cuda.matmul.allow_fp16_accumulation)",
+            )
+        elif self.unet.dtype != torch.float16:
+            self._set(
+                "fp16_accumulate",
+                f"fallback: off (the flag only affects float16 matrix products; the U-Net is {self.unet.dtype})",
+            )
+        else:
+            self._fp16_accumulate = True
+            self._set(
+                "fp16_accumulate",
+                "on (cuBLAS fp16 GEMMs accumulate in fp16; the flag is set only inside the fast path's calls)",
             )
         mode = cfg.autotune
         if mode == "off":
@@ -459,10 +508,12 @@ class GraphDenoiser:
 
     @contextlib.contextmanager
     def _tuning(self) -> Any:
-        """Around every call that may compile, time or capture: the cuDNN flag and the GEMM filter."""
+        """Around every call that may compile, time or capture: the cuDNN and cuBLAS flags and the GEMM filter."""
         with contextlib.ExitStack() as stack:
             if self._cudnn_benchmark:
                 stack.enter_context(cudnn_benchmark_flag(True))
+            if self._fp16_accumulate:
+                stack.enter_context(fp16_accumulate_flag(True))
             if self._gemm_filter:
                 stack.enter_context(gemms_on_aten())
                 before = _aten_gemm_choices().dropped
@@ -737,6 +788,7 @@ class GraphDenoiser:
         # The tuning switches as applied (a fallback to off builds what off builds).
         tuning = {
             "cudnn_benchmark": self._cudnn_benchmark,
+            "fp16_accumulate": self._fp16_accumulate,
             "autotune": cfg.autotune if self._autotune else "off",
         }
         return {
@@ -910,5 +962,6 @@ __all__ = [
     "compile_cache_file",
     "cudnn_benchmark_flag",
     "describe",
+    "fp16_accumulate_flag",
     "gemms_on_aten",
 ]

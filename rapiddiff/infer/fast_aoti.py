@@ -15,8 +15,8 @@ other in-memory weight change runs as it is, and the package costs no second cop
 What the compiled code *does* depend on is checked before every load, field by field against the
 manifest (:func:`check_package`): format, part, torch and CUDA versions, device name and capability
 (CPU: its ISA level), the libstdc++ it runs against, dtype, input shapes, the fast path's switches
-(channels_last, fused QKV, attention backend, cross-attention K/V, fp8, cudnn_benchmark, autotune),
-the Inductor options (autotune's patch included), a hash of the weights files
+(channels_last, fused QKV, attention backend, cross-attention K/V, fp8, cudnn_benchmark, fp16_accumulate,
+autotune), the Inductor options (autotune's patch included), a hash of the weights files
 (policy: a new model is a new build), and the name, shape, stride and dtype of every constant the
 package reads (the layout its kernels were generated for). Then the file's size and SHA-256 against
 the manifest (a truncated or corrupt file). Any difference → the reason, logged; the caller rebuilds

@@ -42,6 +42,7 @@ GPU_SWITCHES = {
     "defaults": "defaults",
     # Issue 16's tuning switches, in half precision as they are used (each picks other kernels).
     "cudnn_benchmark": {"dtype": "float16", "cudnn_benchmark": True, "loop": "graph"},
+    "fp16_accumulate": {"dtype": "float16", "fp16_accumulate": True, "loop": "graph"},
     "autotune=convs": {"dtype": "float16", "autotune": "convs", **TUNED_COMPILE},
     "cudnn_benchmark+autotune=all": {
         "dtype": "float16",
@@ -86,7 +87,8 @@ def test_gpu_switch_gives_the_eager_image(tiny_folders, images, task, switch):
     eager = RapidDiffusionPipeline.from_pretrained(folder, device="cuda")
     expected = _ours(eager, task, "pndm", [3, 11], images)
     fast = accelerate(RapidDiffusionPipeline.from_pretrained(folder, device="cuda"), _config(switch))
-    applies = ("loop", "dtype", "cudnn_benchmark", "autotune")  # must not fall back on a GPU
+    # Must not fall back on a GPU (fp16_accumulate: every config here that turns it on is float16).
+    applies = ("loop", "dtype", "cudnn_benchmark", "fp16_accumulate", "autotune")
     assert not any(v.startswith("fallback") for k, v in fast.report.items() if k in applies), fast.report
     for _ in range(2):  # the second call replays the captured graph
         out = _ours(fast, task, "pndm", [3, 11], images)

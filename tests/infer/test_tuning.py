@@ -1,11 +1,12 @@
-"""The convolution/GEMM tuning switches (issue 16): ``cudnn_benchmark`` and ``autotune`` — their
-validation, the cache and package keys they enter, the bench's ``rapiddiff+KEY=VALUE`` variants and
-time budget, and (slow: Inductor compiles C++) the tiny model through ``autotune="convs"`` on a CPU.
-The GPU parity of both is in test_gpu_parity.py."""
+"""The convolution/GEMM tuning switches (issue 16): ``cudnn_benchmark``, ``fp16_accumulate`` and
+``autotune`` — their validation, the cache and package keys they enter, the bench's
+``rapiddiff+KEY=VALUE`` variants and time budget, and (slow: Inductor compiles C++) the tiny model
+through ``autotune="convs"`` on a CPU. The GPU parity of each is in test_gpu_parity.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import pytest
@@ -22,6 +23,7 @@ from rapiddiff.infer.accelerate import (
     autotune_options,
     compile_cache_file,
     cudnn_benchmark_flag,
+    fp16_accumulate_flag,
     gemms_on_aten,
 )
 from rapiddiff.infer.bench import (
@@ -43,10 +45,13 @@ def test_bad_values_are_refused_naming_the_valid_ones():
         AccelerateConfig(autotune="conv")
     with pytest.raises(ValueError, match="cudnn_benchmark must be true or false; got 'yes'"):
         AccelerateConfig(cudnn_benchmark="yes")
+    with pytest.raises(ValueError, match="fp16_accumulate must be true or false; got 1"):
+        AccelerateConfig(fp16_accumulate=1)
     with pytest.raises(ValueError, match="off, convs, gemm, all"):
         autotune_options("max")
     defaults = AccelerateConfig()
     assert defaults.autotune == "off" and defaults.cudnn_benchmark is False  # not measured yet: off
+    assert defaults.fp16_accumulate is False  # a quality cost: opt-in
 
 
 def test_autotune_options_exist_in_this_inductor_and_tell_the_modes_apart():
@@ -73,6 +78,20 @@ def test_cudnn_flag_is_set_inside_and_restored_after():
     with pytest.raises(KeyError), cudnn_benchmark_flag(not before):
         raise KeyError("boom")
     assert torch.backends.cudnn.benchmark == before
+
+
+def test_fp16_accumulation_flag_is_set_inside_and_restored_after():
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "allow_fp16_accumulation"):
+        pytest.skip(f"torch {torch.__version__} has no allow_fp16_accumulation")
+    before = matmul.allow_fp16_accumulation
+    with fp16_accumulate_flag(True):
+        assert matmul.allow_fp16_accumulation is True
+    assert matmul.allow_fp16_accumulation == before
+    with pytest.raises(KeyError), fp16_accumulate_flag(not before):
+        assert matmul.allow_fp16_accumulation == (not before)
+        raise KeyError("boom")
+    assert matmul.allow_fp16_accumulation == before
 
 
 def test_gemm_filter_keeps_only_aten_kernels_for_matrix_products(monkeypatch):
@@ -117,6 +136,25 @@ def test_report_fallbacks_on_cpu_and_without_compile(tiny_model):
     assert accelerate(RapidDiffusionPipeline.from_pretrained(tiny_model)).report["autotune"] == "off"
 
 
+def test_fp16_accumulate_falls_back_on_cpu_with_the_image_unchanged(tiny_model, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("rapiddiff"), "propagate", True)  # for caplog
+    switches = {"compile_unet": None, "compile_vae": None}
+    want = accelerate(RapidDiffusionPipeline.from_pretrained(tiny_model), **switches)
+    assert want.report["fp16_accumulate"] == "off"
+    with caplog.at_level(logging.WARNING, logger="rapiddiff"):
+        fast = accelerate(
+            RapidDiffusionPipeline.from_pretrained(tiny_model), fp16_accumulate=True, **switches
+        )
+    reason = "fallback: off (cuBLAS fp16 accumulation needs a CUDA device; this is cpu)"
+    assert fast.report["fp16_accumulate"] == reason
+    assert any("fp16_accumulate" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    flag = getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None)
+    out, ref = fast(["一只熊猫"], **KW), want(["一只熊猫"], **KW)
+    assert getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None) == flag  # never touched
+    torch.testing.assert_close(out.latents, ref.latents, atol=0, rtol=0)
+    assert float(abs(out.images - ref.images).max()) == 0
+
+
 # ---- the keys ---------------------------------------------------------------------------------------
 def test_compile_cache_file_names_the_switches(tmp_path):
     path = str(tmp_path / "cache.bin")
@@ -127,6 +165,9 @@ def test_compile_cache_file_names_the_switches(tmp_path):
         for c in (False, True)
     }
     assert len(files) == 8
+    assert compile_cache_file(path, AccelerateConfig(fp16_accumulate=True)) == str(
+        tmp_path / "cache.fp16-accumulate.bin"
+    )
     assert compile_cache_file(path, AccelerateConfig(autotune="convs", cudnn_benchmark=True)) == str(
         tmp_path / "cache.autotune-convs.cudnn-benchmark.bin"
     )
@@ -160,6 +201,9 @@ def test_a_package_built_with_other_tuning_switches_is_stale(tiny_model, tmp_pat
     convs = _package_key(tiny_model, autotune="convs")
     bench = _package_key(tiny_model, cudnn_benchmark=True)  # on a CPU it falls back: the key says off
     assert bench == off
+    assert _package_key(tiny_model, fp16_accumulate=True) == off  # likewise
+    assert off["unet"]["switches"]["fp16_accumulate"] is False
+    assert off["decoder"]["switches"]["fp16_accumulate"] is False
     for part in ("unet", "decoder"):
         assert off[part]["switches"]["autotune"] == "off" and convs[part]["switches"]["autotune"] == "convs"
         assert convs[part]["inductor"]["max_autotune_gemm"] is True
@@ -179,6 +223,7 @@ def test_a_package_built_with_other_tuning_switches_is_stale(tiny_model, tmp_pat
 def test_variant_grammar():
     assert parse_variant("rapiddiff") == {} and parse_variant("recipe") == {}
     assert parse_variant("rapiddiff+cudnn_benchmark") == {"cudnn_benchmark": True}
+    assert parse_variant("rapiddiff+fp16_accumulate") == {"fp16_accumulate": True}
     assert parse_variant("rapiddiff+autotune=convs,cudnn_benchmark=false") == {
         "autotune": "convs",
         "cudnn_benchmark": False,
