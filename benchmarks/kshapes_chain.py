@@ -464,8 +464,11 @@ def assemble_builtin_model(
 
     The text tower keeps only the vocabulary kshapes uses (the other ~20,900 rows of the 21,128-token
     embedding were never trained): 5 MB less, identical outputs on that text. The folder records its
-    sampling defaults (``steps`` PNDM steps — DDIM for a zero-terminal-SNR U-Net —, guidance 7.5, CFG
-    rescale ``guidance_rescale``), which `rapiddiff generate` reads.
+    sampling defaults (``steps`` PNDM steps — DDIM for a zero-terminal-SNR U-Net —, CFG rescale
+    ``guidance_rescale``, and the guidance scale the trained folder recommends, else 7.5), which
+    `rapiddiff generate` reads. The guidance is the trained folder's because the chain's evaluation
+    samples that folder at it: a different shipped scale would ship a model nobody measured (the U-Net
+    config's 5.0 against 7.5: BENCHMARKS.md, issue 18, 2026-11-24).
     """
     import torch
 
@@ -482,8 +485,12 @@ def assemble_builtin_model(
     print(f"[chain] vocabulary: {prune_vocabulary(bundle.text_encoder, texts)}", flush=True)
     # PNDM, or DDIM for a zero-terminal-SNR U-Net (PNDM cannot step from ᾱ_T = 0).
     sampler = default_sampler(bundle.scheduler.config, "pndm")
+    guidance = bundle.sampling.guidance_scale if bundle.sampling is not None else 7.5
     bundle.sampling = SamplingDefaults(
-        num_inference_steps=steps, guidance_scale=7.5, scheduler=sampler, guidance_rescale=guidance_rescale
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        scheduler=sampler,
+        guidance_rescale=guidance_rescale,
     )
     save_model_folder(bundle, out)
 

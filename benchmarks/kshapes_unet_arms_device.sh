@@ -9,10 +9,11 @@
 # SNR + v-prediction); STEPS (default 10000, the cosine schedule's length); SEED (1, the shipped
 # model's data seed). The shipped text encoder samples in knowledge mode "both" but its U-Net trained
 # on the fused vectors alone ("embed"): the arms train that way too (a copy of the folder set to
-# "embed"), and the evaluation asks for embed, both and off explicitly. SHIPPED=0: eval the arms
-# alone. WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a
-# slimmer set than .wt/slim: without pykeen and its dependencies, pydantic, datasets, torch-fidelity
-# and lmdb, which `eval knowledge` and `data kshapes` do not import).
+# "embed"), and the evaluation asks for embed, both and off explicitly. SHIPPED=0 (eval) or 1 (all):
+# evaluate the arms alone, or beside the model in the tree. WHEELS: the wheel folder (an eval call
+# with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
+# dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
+# do not import).
 set -u
 part=$1; out=$2; work=/tmp/ka; seed=${SEED:-1}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/model
 arms=${ARMS:-"eps:;zsnr:--model.loss.prediction_type=v_prediction --model.loss.zero_terminal_snr=true"}
@@ -74,7 +75,7 @@ PY
   tar czf "$out/logs.tgz" $logs $(find $work/runs -name "metrics.csv" -o -name "*.png") 2>/dev/null
 fi
 if [ "$part" = all ]; then
-  models=()
+  models=(); [ "${SHIPPED:-0}" = 1 ] && models=("shipped=$shipped")  # SHIPPED=1: the model in the tree beside the arms
   for spec in "${specs[@]}"; do name=${spec%%:*}; [ -d $work/"$name"/builtin ] && models+=("$name=$work/$name/builtin"); done
 elif [ "$part" = eval ]; then
   carried=$3

@@ -22,7 +22,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny U-Net trained 2 steps with zero terminal SNR + v-prediction + min-SNR, exported."""
     root = tmp_path_factory.mktemp("zsnr")
     data = write_imagefolder(root / "data")
-    unet_stage.cli_main([*tiny_unet_args(data, root / "run", max_steps=2), *ZERO_SNR])
+    # guidance 5.0, not the default 7.5: the chain's assembled folder must keep the trained one's
+    unet_stage.cli_main(
+        [*tiny_unet_args(data, root / "run", max_steps=2), *ZERO_SNR, "--model.sampling.guidance_scale=5.0"]
+    )
     return root / "run" / "model"
 
 
@@ -155,4 +158,7 @@ def test_the_chain_switch_trains_and_ships_a_zero_snr_model(trained: Path, tmp_p
     bundle = load_model_folder(tmp_path / "builtin")
     assert bundle.sampling is not None
     assert (bundle.sampling.scheduler, bundle.sampling.guidance_rescale) == ("ddim", 0.7)
+    # the guidance the chain evaluated the trained folder at, not a fixed 7.5
+    trained_sampling = json.loads((trained / "rapiddiff.json").read_text())["sampling"]
+    assert bundle.sampling.guidance_scale == trained_sampling["guidance_scale"]
     assert sampling.zero_terminal_snr(bundle.scheduler.config)
