@@ -3,7 +3,9 @@ stage's tests use (made once per session, saved in the real formats)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # No network here or in CI: any attempt to reach a model hub must fail fast, not hang.
@@ -11,8 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# pykeen/pystow cache datasets under PYSTOW_HOME: keep that out of the checkout and out of ~.
-os.environ.setdefault("PYSTOW_HOME", tempfile.mkdtemp(prefix="rapiddiff-pystow-"))
+# pykeen/pystow cache datasets under PYSTOW_HOME: keep that out of the checkout and out of ~, and
+# remove it when the session ends (a folder per pytest run used to pile up in /tmp).
+if "PYSTOW_HOME" not in os.environ:
+    os.environ["PYSTOW_HOME"] = tempfile.mkdtemp(prefix="rapiddiff-pystow-")
+    atexit.register(shutil.rmtree, os.environ["PYSTOW_HOME"], ignore_errors=True)
 
 import pytest
 
