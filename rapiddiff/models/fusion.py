@@ -33,6 +33,11 @@ class FusionConfig:
     """At most this many relations per entity become ``e + r`` items (the rest are dropped)."""
     mlp_dim: int = 0
     """Width of the shared per-item MLP; 0 means ``hidden_size``."""
+    entity_item: bool = True
+    """Whether the entity's own vector ``e`` is one of its items. False keeps only the ``e + r``
+    translations (``e`` alone for an entity without relations): ``e`` is where training can memorise
+    a seen entity, while ``e + r`` lands near tails that every caption shares, which is what a
+    held-out entity can use."""
 
     def __post_init__(self) -> None:
         for name in ("kg_dim", "hidden_size", "num_layers"):
@@ -41,7 +46,7 @@ class FusionConfig:
         if self.max_relations < 0:
             raise ValueError(f"FusionConfig.max_relations must be >= 0, got {self.max_relations}")
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
 
 
@@ -144,13 +149,17 @@ class KnowledgeFusion(nn.Module):
         """Knowledge items of entities [E] → vectors [E, 1 + K, kg_dim] and a validity mask [E, 1 + K].
 
         Item 0 is ``e``; items 1..K are ``e + r`` for the entity's relations (masked where absent).
+        With ``config.entity_item`` False, item 0 is masked unless the entity has no relation.
         """
         e = self.entity_vectors[entity_ids]  # (E, d)
         rel_ids = self.entity_relations[entity_ids]  # (E, K)
         has_rel = rel_ids >= 0
         r = self.relation_vectors[rel_ids.clamp(min=0)]  # (E, K, d)
         items = torch.cat([e.unsqueeze(1), e.unsqueeze(1) + r], dim=1)  # (E, 1 + K, d)
-        mask = torch.cat([torch.ones_like(has_rel[:, :1]), has_rel], dim=1)
+        own = torch.ones_like(has_rel[:, :1])
+        if not self.config.entity_item:
+            own = ~has_rel.any(1, keepdim=True)
+        mask = torch.cat([own, has_rel], dim=1)
         return items, mask
 
     def entity_features(self, entity_ids: torch.Tensor) -> torch.Tensor:

@@ -179,6 +179,9 @@ class CLIPTraining(RapidModule):
             2026-11-22) it lowered held-out R@1 (18.8 → 9.4 with entity_token_dropout 1.0): off.
         knowledge_item_dropout: chance that one of an entity's knowledge items (``e``, ``e + r``)
             is left out of its pooled knowledge during training.
+        knowledge_entity_item: whether an entity's own TransE vector ``e`` is one of its knowledge
+            items (saved in the fusion config, so inference pools the same). False keeps only the
+            ``e + r`` translations, which land near tails that training captions share.
         freeze: what not to train: the image tower, the text tower, or all but the fusion.
         lr: learning rate of the towers and heads.
         fusion_lr: learning rate of the fusion module and gates (default: lr).
@@ -205,6 +208,7 @@ class CLIPTraining(RapidModule):
         entity_token_dropout_relations: list[str] | None = None,
         mask_entity_mentions: bool = False,
         knowledge_item_dropout: float = 0.0,
+        knowledge_entity_item: bool = True,
         freeze: Freeze = "none",
         lr: float = 5e-4,
         fusion_lr: float | None = None,
@@ -240,6 +244,8 @@ class CLIPTraining(RapidModule):
         self.hparams["image_size"] = self._hparams_initial["image_size"] = self.image_size
         if self.model.text_encoder.fusion is not None:
             self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
+            # Part of the saved fusion config (fusion_config.json), so inference pools the same items.
+            self.model.text_encoder.fusion.config.entity_item = knowledge_entity_item
             self.model.text_encoder.mask_entity_mentions = mask_entity_mentions
         self._apply_freeze(freeze)
         self.speed = speed

@@ -96,3 +96,33 @@ def test_relation_table_is_distinct_sorted_and_capped() -> None:
     triples = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 2, 4], [0, 0, 1], [2, 3, 0], [0, 4, 0]])
     table = relation_table(triples, 4, 3)
     assert table.tolist() == [[0, 1, 2], [-1, -1, -1], [3, -1, -1], [-1, -1, -1]]
+
+
+def test_without_the_entity_item_only_translations_are_pooled() -> None:
+    """entity_item=False: an entity with relations pools only its e + r items (so changing e's own
+    contribution is the only difference), one without relations keeps e; the config round-trips."""
+    fusion = make_fusion(8)
+    table = fusion.entity_relations
+    with_rel = int(torch.nonzero((table >= 0).any(1))[0])
+    without_rel = int(torch.nonzero(~(table >= 0).any(1))[0])
+    ids = torch.tensor([with_rel, without_rel])
+    items, mask = fusion.entity_items(ids)
+    assert mask[0, 0] and mask[1, 0]  # the default keeps e for both
+    fusion.config.entity_item = False
+    items_off, mask_off = fusion.entity_items(ids)
+    torch.testing.assert_close(items_off, items)
+    assert not mask_off[0, 0] and mask_off[1, 0]  # e dropped only where a translation exists
+    assert torch.equal(mask_off[:, 1:], mask[:, 1:])
+    h = fusion.item_mlp(items_off[0, 1:][mask_off[0, 1:]])
+    torch.testing.assert_close(fusion.entity_features(ids)[0], h.mean(0))
+    assert (
+        fusion.entity_features(ids)[0]
+        .sub(KnowledgeFusion.entity_features(make_fusion(8), ids)[0])
+        .abs()
+        .max()
+        > 0
+    )
+    assert FusionConfig(**fusion.config.to_dict()).entity_item is False
+    assert FusionConfig(
+        **{k: v for k, v in fusion.config.to_dict().items() if k != "entity_item"}
+    ).entity_item

@@ -142,6 +142,21 @@ def test_entity_token_dropout_relations_hides_described_entities_and_keeps_attri
     assert clip_train.CLIPTraining(**kwargs, entity_token_dropout_relations=["颜色"])._hideable is None
 
 
+def test_knowledge_entity_item_reaches_the_saved_fusion_config(tiny_setup, tmp_path):
+    """model.knowledge_entity_item=false is architecture, not a training trick: the saved folder's
+    fusion pools without the entity's own vector when loaded again."""
+    from rapiddiff.models.text_encoder import load_fusion
+
+    kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
+    store = str(tiny_setup / "store")
+    assert clip_train.CLIPTraining(
+        **kwargs, knowledge_store=store
+    ).model.text_encoder.fusion.config.entity_item
+    module = clip_train.CLIPTraining(**kwargs, knowledge_store=store, knowledge_entity_item=False)
+    module.model.text_encoder.save_pretrained(tmp_path / "model")
+    assert load_fusion(tmp_path / "model" / "knowledge").config.entity_item is False
+
+
 class _ParseOnly(RapidCLI):
     def instantiate_classes(self) -> None:  # parse and type-check the YAML, build nothing
         pass
