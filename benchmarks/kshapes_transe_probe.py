@@ -21,19 +21,18 @@ from rapiddiff.kg.store import KnowledgeStore
 def nearest_tail_accuracy(store: KnowledgeStore, names: list[str], relation: str) -> tuple[int, int]:
     """(right, scored): entities whose e + r is nearest their true tail among the relation's tails."""
     entities = torch.as_tensor(store.entity_vectors).float()
-    relations = torch.as_tensor(store.relation_vectors).float()
     rel = store.relation_names.index(relation)
-    heads = range(len(store.entity_names))
-    tails = sorted({t for h in heads for r, t in store.facts(h) if r == rel})
+    facts = store.triples[store.triples[:, 1] == rel]  # (head, rel, tail) rows of this relation
+    tails = torch.unique(facts[:, 2])
     right = scored = 0
     for name in names:
         head = store.id_of(name)
-        truth = {t for r, t in store.facts(head) if r == rel}
-        if not truth:
+        truth = facts[facts[:, 0] == head, 2]
+        if len(truth) == 0:
             continue
-        query = entities[head] + relations[rel]
-        distances = (entities[tails] - query).abs().sum(-1)
-        right += tails[int(distances.argmin())] in truth
+        query = entities[head] + torch.as_tensor(store.relation_vectors[rel]).float()
+        nearest = tails[(entities[tails] - query).abs().sum(-1).argmin()]
+        right += bool((truth == nearest).any())
         scored += 1
     return right, scored
 
@@ -51,9 +50,9 @@ def main() -> None:
     record = json.loads((knowledge / "kg_only_entities.json").read_text("utf-8"))
     never = set(record["never_named_in_training"])
     colour = store.relation_names.index("颜色")
-    objects = [n for n in store.entity_names if any(r == colour for r, _ in store.facts(store.id_of(n)))]
+    objects = torch.unique(store.triples[store.triples[:, 1] == colour, 0]).tolist()
     splits = {"held-out": record["heldout"], "validation": record["validation"]}
-    splits["seen"] = [n for n in objects if n not in never]
+    splits["seen"] = [store.entity_names[i] for i in objects if store.entity_names[i] not in never]
     for relation in ("颜色", "形状"):
         for split, names in splits.items():
             right, scored = nearest_tail_accuracy(store, names, relation)

@@ -446,15 +446,15 @@ class GraphDenoiser:
             )
         if not cfg.fp16_accumulate:
             self._set("fp16_accumulate", "off")
+        elif not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):  # torch < 2.7
+            self._set(
+                "fp16_accumulate",
+                f"fallback: off (torch {torch.__version__} has no torch.backends.cuda.matmul.allow_fp16_accumulation)",
+            )
         elif self.device.type != "cuda":
             self._set(
                 "fp16_accumulate",
                 f"fallback: off (cuBLAS fp16 accumulation needs a CUDA device; this is {self.device.type})",
-            )
-        elif not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):
-            self._set(
-                "fp16_accumulate",
-                f"fallback: off (torch {torch.__version__} has no torch.backends.cuda.matmul.allow_fp16_accumulation)",
             )
         elif self.unet.dtype != torch.float16:
             self._set(

@@ -45,6 +45,8 @@ class FusionConfig:
                 raise ValueError(f"FusionConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_relations < 0:
             raise ValueError(f"FusionConfig.max_relations must be >= 0, got {self.max_relations}")
+        if not isinstance(self.entity_item, bool):  # a hand-edited fusion_config.json
+            raise ValueError(f"FusionConfig.entity_item must be true or false, got {self.entity_item!r}")
 
     def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)

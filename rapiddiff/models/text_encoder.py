@@ -110,6 +110,9 @@ class KnowledgeTextEncoder(nn.Module):
             ``model_max_length`` (what diffusers' StableDiffusionPipeline pads to), capped by the
             tower's position embeddings.
         max_relations: ``e + r`` items per entity.
+        entity_item: whether an entity's own vector ``e`` is one of its knowledge items
+            (:class:`~rapiddiff.models.fusion.FusionConfig`); for a new fusion only: a loaded one keeps
+            the setting it was trained with.
         use_attention_mask: pass the padding mask to the tower. Default: the text config's
             ``use_attention_mask`` if set (diffusers reads the same flag), else False — SD 1.x
             and Taiyi pipelines encode without it, and pretrained weights expect that.
@@ -135,6 +138,7 @@ class KnowledgeTextEncoder(nn.Module):
         out_dim: int | None = None,
         max_length: int | None = None,
         max_relations: int = 8,
+        entity_item: bool = True,
         use_attention_mask: bool | None = None,
         linker: Any = None,
         fusion: KnowledgeFusion | None = None,
@@ -164,6 +168,7 @@ class KnowledgeTextEncoder(nn.Module):
             use_attention_mask = bool(getattr(text_model.config, "use_attention_mask", False))
         self.use_attention_mask = use_attention_mask
         self.max_relations = max_relations
+        self.entity_item = entity_item
         self.mask_entity_mentions = mask_entity_mentions
         self.knowledge = True
         self.knowledge_mode = knowledge_mode
@@ -188,6 +193,7 @@ class KnowledgeTextEncoder(nn.Module):
                     hidden_size=_tower_width(self.text_model),
                     num_layers=len(self.fusion_layers),
                     max_relations=self.max_relations,
+                    entity_item=self.entity_item,
                 )
             )
         elif fusion.config.num_layers != len(self.fusion_layers):

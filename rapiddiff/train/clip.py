@@ -125,9 +125,10 @@ def build_clip(
     store: Any,
     fusion_layers: list[int],
     max_relations: int,
+    entity_item: bool = True,
 ) -> KnowledgeCLIP:
     """A KnowledgeCLIP from a checkpoint folder (Chinese-CLIP or KnowledgeCLIP) or from scratch."""
-    text_kwargs = {"fusion_layers": fusion_layers, "max_relations": max_relations}
+    text_kwargs = {"fusion_layers": fusion_layers, "max_relations": max_relations, "entity_item": entity_item}
     if init_from:
         model = KnowledgeCLIP.from_pretrained(init_from, **text_kwargs)
         if store is not None and model.text_encoder.store is None:
@@ -180,8 +181,9 @@ class CLIPTraining(RapidModule):
         knowledge_item_dropout: chance that one of an entity's knowledge items (``e``, ``e + r``)
             is left out of its pooled knowledge during training.
         knowledge_entity_item: whether an entity's own TransE vector ``e`` is one of its knowledge
-            items (saved in the fusion config, so inference pools the same). False keeps only the
-            ``e + r`` translations, which land near tails that training captions share.
+            items (saved in the fusion config, so inference pools the same; a checkpoint's fusion keeps
+            its own). False keeps only the ``e + r`` translations, which land near tails that training
+            captions share. No gain on kshapes (BENCHMARKS.md, issue 18).
         freeze: what not to train: the image tower, the text tower, or all but the fusion.
         lr: learning rate of the towers and heads.
         fusion_lr: learning rate of the fusion module and gates (default: lr).
@@ -231,6 +233,7 @@ class CLIPTraining(RapidModule):
             store=store,
             fusion_layers=list(fusion_layers) if fusion_layers is not None else [0],
             max_relations=max_relations,
+            entity_item=knowledge_entity_item,
         )
         if image_size is not None and image_size != self.model.image_size:
             raise ValueError(
@@ -244,8 +247,6 @@ class CLIPTraining(RapidModule):
         self.hparams["image_size"] = self._hparams_initial["image_size"] = self.image_size
         if self.model.text_encoder.fusion is not None:
             self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
-            # Part of the saved fusion config (fusion_config.json), so inference pools the same items.
-            self.model.text_encoder.fusion.config.entity_item = knowledge_entity_item
             self.model.text_encoder.mask_entity_mentions = mask_entity_mentions
         self._apply_freeze(freeze)
         self.speed = speed

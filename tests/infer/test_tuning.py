@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import types
 
 import pytest
 import torch
@@ -80,10 +81,11 @@ def test_cudnn_flag_is_set_inside_and_restored_after():
     assert torch.backends.cudnn.benchmark == before
 
 
-def test_fp16_accumulation_flag_is_set_inside_and_restored_after():
-    matmul = torch.backends.cuda.matmul
-    if not hasattr(matmul, "allow_fp16_accumulation"):
-        pytest.skip(f"torch {torch.__version__} has no allow_fp16_accumulation")
+def test_fp16_accumulation_flag_is_set_inside_and_restored_after(monkeypatch):
+    # A stand-in for torch.backends.cuda.matmul: the same test on every torch the project allows
+    # (the flag exists from torch 2.7; older ones get the fallback tested below).
+    matmul = types.SimpleNamespace(allow_fp16_accumulation=False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
     before = matmul.allow_fp16_accumulation
     with fp16_accumulate_flag(True):
         assert matmul.allow_fp16_accumulation is True
@@ -153,6 +155,20 @@ def test_fp16_accumulate_falls_back_on_cpu_with_the_image_unchanged(tiny_model, 
     assert getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None) == flag  # never touched
     torch.testing.assert_close(out.latents, ref.latents, atol=0, rtol=0)
     assert float(abs(out.images - ref.images).max()) == 0
+
+
+def test_fp16_accumulate_falls_back_on_a_torch_without_the_flag(tiny_model, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "matmul", types.SimpleNamespace())  # torch < 2.7
+    fast = accelerate(
+        RapidDiffusionPipeline.from_pretrained(tiny_model),
+        fp16_accumulate=True,
+        compile_unet=None,
+        compile_vae=None,
+    )
+    reason = (
+        f"fallback: off (torch {torch.__version__} has no torch.backends.cuda.matmul.allow_fp16_accumulation)"
+    )
+    assert fast.report["fp16_accumulate"] == reason
 
 
 # ---- the keys ---------------------------------------------------------------------------------------

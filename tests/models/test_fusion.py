@@ -126,3 +126,5 @@ def test_without_the_entity_item_only_translations_are_pooled() -> None:
     assert FusionConfig(
         **{k: v for k, v in fusion.config.to_dict().items() if k != "entity_item"}
     ).entity_item
+    with pytest.raises(ValueError, match="entity_item must be true or false, got 'no'"):
+        FusionConfig(kg_dim=8, hidden_size=12, entity_item="no")

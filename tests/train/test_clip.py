@@ -155,6 +155,10 @@ def test_knowledge_entity_item_reaches_the_saved_fusion_config(tiny_setup, tmp_p
     module = clip_train.CLIPTraining(**kwargs, knowledge_store=store, knowledge_entity_item=False)
     module.model.text_encoder.save_pretrained(tmp_path / "model")
     assert load_fusion(tmp_path / "model" / "knowledge").config.entity_item is False
+    # a checkpoint's fusion keeps what it was trained with, whatever the option's default says
+    module.model.save_pretrained(tmp_path / "clip")
+    resumed = clip_train.CLIPTraining(**kwargs, init_from=str(tmp_path / "clip"), knowledge_store=store)
+    assert resumed.model.text_encoder.fusion.config.entity_item is False
 
 
 class _ParseOnly(RapidCLI):
