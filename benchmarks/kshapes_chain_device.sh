@@ -37,6 +37,11 @@ if [ "$part" = prep ]; then
     --workers 2 --pack "$out" > "$out/chain_prep.log" 2>&1 &
   chain=$!
   until grep -q "data: exit 0" $work/seed-0.log 2>/dev/null || ! kill -0 $chain 2>/dev/null; do sleep 2; done
+  if [ -n "${VAE_REUSE:-}" ]; then  # VAE_REUSE=path/vae_best.tgz: an earlier call's VAE as it is (an
+    # ablation of a later stage keeps the VAE fixed); the prep is then data, TransE, CLIP, upscaler
+    cp "$VAE_REUSE" "$out/vae_best.tgz"; wait $chain
+    tar czf "$out/logs.tgz" $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null; ls -la "$out"; exit 0
+  fi
   init=()  # VAE_INIT=path/vae_best.tgz: continue training an earlier call's VAE instead of starting over
   if [ -n "${VAE_INIT:-}" ]; then mkdir -p /tmp/vae_init && tar xzf "$VAE_INIT" -C /tmp/vae_init && init=(--init /tmp/vae_init/vae); fi
   timeout $((530 - SECONDS)) python benchmarks/kshapes_vae_recipes.py "${init[@]}" --out /tmp/vr --data $work/seed-0/data \

@@ -113,6 +113,8 @@ class KnowledgeTextEncoder(nn.Module):
         entity_item: whether an entity's own vector ``e`` is one of its knowledge items
             (:class:`~rapiddiff.models.fusion.FusionConfig`); for a new fusion only: a loaded one keeps
             the setting it was trained with.
+        relation_items: "translation" (``e + r``) or "tail" (the fact's tail ``t``) for each of an
+            entity's relations (:class:`~rapiddiff.models.fusion.FusionConfig`); for a new fusion only.
         use_attention_mask: pass the padding mask to the tower. Default: the text config's
             ``use_attention_mask`` if set (diffusers reads the same flag), else False — SD 1.x
             and Taiyi pipelines encode without it, and pretrained weights expect that.
@@ -139,6 +141,7 @@ class KnowledgeTextEncoder(nn.Module):
         max_length: int | None = None,
         max_relations: int = 8,
         entity_item: bool = True,
+        relation_items: str = "translation",
         use_attention_mask: bool | None = None,
         linker: Any = None,
         fusion: KnowledgeFusion | None = None,
@@ -169,6 +172,7 @@ class KnowledgeTextEncoder(nn.Module):
         self.use_attention_mask = use_attention_mask
         self.max_relations = max_relations
         self.entity_item = entity_item
+        self.relation_items = relation_items
         self.mask_entity_mentions = mask_entity_mentions
         self.knowledge = True
         self.knowledge_mode = knowledge_mode
@@ -194,6 +198,7 @@ class KnowledgeTextEncoder(nn.Module):
                     num_layers=len(self.fusion_layers),
                     max_relations=self.max_relations,
                     entity_item=self.entity_item,
+                    relation_items=self.relation_items,
                 )
             )
         elif fusion.config.num_layers != len(self.fusion_layers):

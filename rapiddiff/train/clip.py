@@ -126,9 +126,15 @@ def build_clip(
     fusion_layers: list[int],
     max_relations: int,
     entity_item: bool = True,
+    relation_items: str = "translation",
 ) -> KnowledgeCLIP:
     """A KnowledgeCLIP from a checkpoint folder (Chinese-CLIP or KnowledgeCLIP) or from scratch."""
-    text_kwargs = {"fusion_layers": fusion_layers, "max_relations": max_relations, "entity_item": entity_item}
+    text_kwargs = {
+        "fusion_layers": fusion_layers,
+        "max_relations": max_relations,
+        "entity_item": entity_item,
+        "relation_items": relation_items,
+    }
     if init_from:
         model = KnowledgeCLIP.from_pretrained(init_from, **text_kwargs)
         if store is not None and model.text_encoder.store is None:
@@ -184,6 +190,9 @@ class CLIPTraining(RapidModule):
             items (saved in the fusion config, so inference pools the same; a checkpoint's fusion keeps
             its own). False keeps only the ``e + r`` translations, which land near tails that training
             captions share. No gain on kshapes (BENCHMARKS.md, issue 18).
+        knowledge_relation_items: what each of an entity's relations adds as an item: "translation",
+            TransE's ``e + r`` (a prediction of the tail), or "tail", the vector of the tail of the
+            entity's fact in the KG (saved in the fusion config, like knowledge_entity_item).
         freeze: what not to train: the image tower, the text tower, or all but the fusion.
         lr: learning rate of the towers and heads.
         fusion_lr: learning rate of the fusion module and gates (default: lr).
@@ -211,6 +220,7 @@ class CLIPTraining(RapidModule):
         mask_entity_mentions: bool = False,
         knowledge_item_dropout: float = 0.0,
         knowledge_entity_item: bool = True,
+        knowledge_relation_items: Literal["translation", "tail"] = "translation",
         freeze: Freeze = "none",
         lr: float = 5e-4,
         fusion_lr: float | None = None,
@@ -234,6 +244,7 @@ class CLIPTraining(RapidModule):
             fusion_layers=list(fusion_layers) if fusion_layers is not None else [0],
             max_relations=max_relations,
             entity_item=knowledge_entity_item,
+            relation_items=knowledge_relation_items,
         )
         if image_size is not None and image_size != self.model.image_size:
             raise ValueError(

@@ -128,3 +128,40 @@ def test_without_the_entity_item_only_translations_are_pooled() -> None:
     ).entity_item
     with pytest.raises(ValueError, match="entity_item must be true or false, got 'no'"):
         FusionConfig(kg_dim=8, hidden_size=12, entity_item="no")
+
+
+def test_relation_tails_pick_each_facts_smallest_tail() -> None:
+    """relation_items="tail": each (head, relation) of the table gets its fact's tail — the smallest
+    tail id where the KG gives several — and -1 where the table has no relation."""
+    from rapiddiff.models.fusion import relation_tails
+
+    triples = torch.tensor([[0, 2, 4], [0, 1, 3], [0, 2, 1], [0, 0, 2], [2, 3, 0], [0, 4, 0]])
+    table = relation_table(triples, 4, 3)
+    assert relation_tails(triples, table).tolist() == [[2, 3, 1], [-1, -1, -1], [0, -1, -1], [-1, -1, -1]]
+    assert relation_tails(triples[:0], relation_table(triples[:0], 4, 3)).tolist() == [[-1] * 3] * 4
+
+
+def test_tail_items_are_the_facts_tail_vectors() -> None:
+    """A held-out entity whose fact says 红色 gets 红色's own vector as that item (not the noisy
+    e + r), so it reaches the MLP exactly as the colour word does; the config round-trips and
+    rejects an unknown kind."""
+    fusion = make_fusion(3)
+    triples = torch.tensor([[0, 1, 5], [0, 3, 7], [2, 1, 5], [9, 0, 4]])
+    tail = KnowledgeFusion(FusionConfig(**{**fusion.config.to_dict(), "relation_items": "tail"}))
+    tail.load_state_dict(fusion.state_dict())
+    tail.set_knowledge(fusion.entity_vectors, fusion.relation_vectors, triples)
+    items, mask = tail.entity_items(torch.tensor([0, 2, 9, 5]))
+    vectors = fusion.entity_vectors
+    torch.testing.assert_close(items[0, :3], vectors[[0, 5, 7]])
+    torch.testing.assert_close(items[1, 1], items[0, 1])  # two entities with the same fact share it
+    torch.testing.assert_close(items[2, 1], vectors[4])
+    t, f = True, False
+    assert mask.tolist() == [[t, t, t, f], [t, t, f, f], [t, t, f, f], [t, f, f, f]]
+    # the translation kind on the same facts: e + r, different from the tail
+    fusion.set_knowledge(fusion.entity_vectors, fusion.relation_vectors, triples)
+    translated, _ = fusion.entity_items(torch.tensor([0]))
+    torch.testing.assert_close(translated[0, 1], vectors[0] + fusion.relation_vectors[1])
+    assert not torch.allclose(translated[0, 1], items[0, 1])
+    assert FusionConfig(**tail.config.to_dict()).relation_items == "tail"
+    with pytest.raises(ValueError, match="relation_items must be one of translation, tail, got 'tails'"):
+        FusionConfig(kg_dim=8, hidden_size=12, relation_items="tails")

@@ -142,9 +142,9 @@ def test_entity_token_dropout_relations_hides_described_entities_and_keeps_attri
     assert clip_train.CLIPTraining(**kwargs, entity_token_dropout_relations=["颜色"])._hideable is None
 
 
-def test_knowledge_entity_item_reaches_the_saved_fusion_config(tiny_setup, tmp_path):
-    """model.knowledge_entity_item=false is architecture, not a training trick: the saved folder's
-    fusion pools without the entity's own vector when loaded again."""
+def test_knowledge_item_options_reach_the_saved_fusion_config(tiny_setup, tmp_path):
+    """model.knowledge_entity_item=false and knowledge_relation_items=tail are architecture, not
+    training tricks: the saved folder's fusion pools the same items when loaded again."""
     from rapiddiff.models.text_encoder import load_fusion
 
     kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
@@ -152,13 +152,21 @@ def test_knowledge_entity_item_reaches_the_saved_fusion_config(tiny_setup, tmp_p
     assert clip_train.CLIPTraining(
         **kwargs, knowledge_store=store
     ).model.text_encoder.fusion.config.entity_item
-    module = clip_train.CLIPTraining(**kwargs, knowledge_store=store, knowledge_entity_item=False)
+    module = clip_train.CLIPTraining(
+        **kwargs, knowledge_store=store, knowledge_entity_item=False, knowledge_relation_items="tail"
+    )
+    assert module.model.text_encoder.fusion.entity_tails.shape[0] > 0
     module.model.text_encoder.save_pretrained(tmp_path / "model")
-    assert load_fusion(tmp_path / "model" / "knowledge").config.entity_item is False
+    loaded = load_fusion(tmp_path / "model" / "knowledge").config
+    assert loaded.entity_item is False and loaded.relation_items == "tail"
     # a checkpoint's fusion keeps what it was trained with, whatever the option's default says
     module.model.save_pretrained(tmp_path / "clip")
     resumed = clip_train.CLIPTraining(**kwargs, init_from=str(tmp_path / "clip"), knowledge_store=store)
     assert resumed.model.text_encoder.fusion.config.entity_item is False
+    assert resumed.model.text_encoder.fusion.config.relation_items == "tail"
+    assert torch.equal(
+        resumed.model.text_encoder.fusion.entity_tails, module.model.text_encoder.fusion.entity_tails
+    )
 
 
 class _ParseOnly(RapidCLI):
