@@ -26,7 +26,15 @@ def _row(split, mode, both, **extra):
     return {"split": split, "knowledge": mode, "colour": both + 10, "shape": both + 5, "both": both, **extra}
 
 
-def _seed(out: Path, seed: int, text: float, both: float, embed: float, attribute_all: float) -> None:
+def _seed(
+    out: Path,
+    seed: int,
+    text: float,
+    both: float,
+    embed: float,
+    attribute_all: float,
+    val_both: float | None = None,
+) -> None:
     results = out / f"seed-{seed}" / "results"
     attribute = {"background": 40.0, "position": 90.0, "all": attribute_all, "psnr": 22.0, "ssim": 0.88}
     tables = {
@@ -35,6 +43,7 @@ def _seed(out: Path, seed: int, text: float, both: float, embed: float, attribut
             _row("heldout", "text", text, psnr=23.0, ssim=0.8),
             _row("heldout", "both", both, psnr=25.0, ssim=0.95),
             _row("val", "on", 30.0 + seed),
+            *([_row("val", "both", val_both)] if val_both is not None else []),
             _row("heldout", "on", 1.0, variant="alias"),  # per-variant rows: only "both"
         ],
         "knowledge_attribute_unet-on": [
@@ -75,7 +84,21 @@ def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_
     assert "| U-Net on | attribute | knowledge on | all % | 25.00 ± 7.07 | 2 |" in md
     assert "| U-Net on | heldout | TransE (on) / ceiling both, ratio % | 82.50 ± 10.61 | 2 |" in md
     assert "| U-Net on | attribute | knowledge on | render SSIM | 0.8800 ± 0.0000 | 2 |" in md
-    assert summary["selection"]["best_seed"] == 1
+    assert summary["selection"]["best_seed"] == 1 and summary["selection"]["knowledge_mode"] == "embed"
+
+
+def test_the_seed_and_its_knowledge_mode_are_chosen_together_on_validation(chain, tmp_path):
+    """The shipped mode's validation score picks the seed: seed 0 is best in mode "both" (40 against
+    seed 1's 35) though seed 1 is best on the vectors alone (31 against 30); a tie prefers "embed"."""
+    _seed(tmp_path, 0, text=2.0, both=40.0, embed=30.0, attribute_all=20.0, val_both=40.0)
+    _seed(tmp_path, 1, text=2.0, both=40.0, embed=30.0, attribute_all=20.0, val_both=35.0)
+    selection = chain.summarise_seeds(tmp_path, [0, 1])["selection"]
+    assert (selection["best_seed"], selection["knowledge_mode"]) == (0, "both")
+    assert selection["scores"] == {"0:embed": 30.0, "0:both": 40.0, "1:embed": 31.0, "1:both": 35.0}
+    assert "0:both" in (tmp_path / "summary.md").read_text(encoding="utf-8")
+    _seed(tmp_path / "tie", 1, text=2.0, both=40.0, embed=30.0, attribute_all=20.0, val_both=31.0)  # ties 1:embed
+    selection = chain.summarise_seeds(tmp_path / "tie", [1])["selection"]
+    assert (selection["best_seed"], selection["knowledge_mode"]) == (1, "embed")
 
 
 def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path, monkeypatch):
