@@ -8,9 +8,9 @@
 #    default) and 4, 4 images a prompt.
 #   bash benchmarks/kshapes_builtin_refresh_device.sh OUT [UPSCALER_MINUTES] [SEED]
 # SEED is the kshapes seed the shipped model was trained on (its knowledge/kg_only_entities.json
-# names the data; the chain's seed 1 since 2026-11-23).
+# names the data; the chain's seed 0 since 2026-11-24).
 set -u
-out=$1; minutes=${2:-4}; seed=${3:-1}; work=/tmp/ksr; model=rapiddiff/assets/model
+out=$1; minutes=${2:-4}; seed=${3:-0}; work=/tmp/ksr; model=rapiddiff/assets/model
 mkdir -p "$out" $work
 python -m rapiddiff data kshapes --out $work/data --seed "$seed" --workers 16 > "$out/data.log" 2>&1 || exit 1
 secs=$((minutes * 60))

@@ -63,7 +63,10 @@ else
     best=$(ls -d $work/seed-*/builtin 2>/dev/null | head -1 | sed 's|.*/seed-\([0-9]*\)/builtin|\1|')
     [ -n "$best" ] && echo "no summary.json: packing seed $best's model, not the best seed's" | tee "$out/NOTE.txt"
   fi
-  # the chosen seed's built-in model (≈ 19 MB): two parts under 16 MiB; a few images to look at
+  # the chosen seed's built-in model (≈ 19 MB) in the chosen knowledge mode: two parts under 16 MiB
+  mode=$(python -c "import json; print(json.load(open('$work/summary.json'))['selection'].get('knowledge_mode') or '')" 2>/dev/null)
+  [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
+    "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
   [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
   tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -6) 2>/dev/null
 fi

@@ -22,9 +22,9 @@ from rapiddiff.infer.png import read_png_metadata
 BACKGROUND = "灰色"  # one of the kshapes training backgrounds, far from every object colour
 SEEDS = (0, 1, 2)
 # Least images (of entities × len(SEEDS)) with colour AND shape right; chance is 1/48 an image.
-# Measured on CPU at these seeds (2026-11-24, the chain's seed-1 model trained with offset noise, in its
-# shipped knowledge mode "both" and guidance 5.0): seen 26 of 36, held-out 34 of 45; mode "embed" 33
-# and 14; knowledge off 0 and 2.
+# Measured on CPU at these seeds (2026-11-24, the tail-items chain's seed-0 model, in its shipped
+# knowledge mode "both" and guidance 5.0; `python benchmarks/builtin_entity_counts.py`): seen 24 of 36,
+# held-out 38 of 45; mode "embed" 25 and 30; knowledge off 0 and 0.
 MIN_BOTH = {"seen": 18, "heldout": 24}
 STEPS = 20  # PNDM (the shipped model's sampler); fewer leaves the colours of this small model unsettled (10 steps: ~1 in 3 right)
 
