@@ -96,7 +96,9 @@ def test_the_seed_and_its_knowledge_mode_are_chosen_together_on_validation(chain
     assert (selection["best_seed"], selection["knowledge_mode"]) == (0, "both")
     assert selection["scores"] == {"0:embed": 30.0, "0:both": 40.0, "1:embed": 31.0, "1:both": 35.0}
     assert "0:both" in (tmp_path / "summary.md").read_text(encoding="utf-8")
-    _seed(tmp_path / "tie", 1, text=2.0, both=40.0, embed=30.0, attribute_all=20.0, val_both=31.0)  # ties 1:embed
+    _seed(
+        tmp_path / "tie", 1, text=2.0, both=40.0, embed=30.0, attribute_all=20.0, val_both=31.0
+    )  # ties 1:embed
     selection = chain.summarise_seeds(tmp_path / "tie", [1])["selection"]
     assert (selection["best_seed"], selection["knowledge_mode"]) == (1, "embed")
 
