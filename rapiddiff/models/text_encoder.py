@@ -92,6 +92,25 @@ def encoder_layers(text_model: nn.Module) -> nn.ModuleList:
     )
 
 
+def entities_with_facts(
+    store: Any, relations: Sequence[str] | None, what: str = "relations"
+) -> torch.Tensor | None:
+    """[n_entities] bool: the heads of a fact of one of ``relations`` (the objects the KG describes,
+    for [颜色, 形状]: not the attribute words 红色, 三角形, which are entities too); None when
+    ``relations`` or ``store`` is None. ``what`` names the setting in the error for an unknown relation."""
+    if relations is None or store is None:
+        return None
+    names = store.relation_names
+    unknown = [r for r in relations if r not in names]
+    if unknown:
+        raise ValueError(f"{what}: {unknown} not in the store's relations ({', '.join(names)})")
+    triples = store.triples
+    chosen = torch.isin(triples[:, 1], torch.tensor([names.index(r) for r in relations]))
+    heads = torch.zeros(len(store), dtype=torch.bool)
+    heads[triples[chosen, 0]] = True
+    return heads
+
+
 def _tower_width(text_model: nn.Module) -> int:
     return int(text_model.config.hidden_size)
 
@@ -124,6 +143,9 @@ class KnowledgeTextEncoder(nn.Module):
             entity mention by [MASK], so an entity is known only through the KG. Set it for an
             encoder trained that way (CLIP stage ``entity_token_dropout: 1.0``): inference then sees
             what training saw, and seen and held-out entities go through the same path.
+        mask_relations: with ``mask_entity_mentions``, mask only mentions of entities that head a
+            fact of one of these relations (the CLIP stage's ``entity_token_dropout_relations``);
+            None masks every linked mention.
         knowledge_mode: "embed" (fused TransE vectors), "text" (facts spelled into the prompt)
             or "both"; used while ``knowledge`` is on.
         expansion_relations: relations whose facts "text"/"both" spell, in order; default
@@ -146,6 +168,7 @@ class KnowledgeTextEncoder(nn.Module):
         linker: Any = None,
         fusion: KnowledgeFusion | None = None,
         mask_entity_mentions: bool = False,
+        mask_relations: Sequence[str] | None = None,
         knowledge_mode: str = "embed",
         expansion_relations: Sequence[str] | None = None,
     ) -> None:
@@ -174,6 +197,8 @@ class KnowledgeTextEncoder(nn.Module):
         self.entity_item = entity_item
         self.relation_items = relation_items
         self.mask_entity_mentions = mask_entity_mentions
+        self._mask_relations = list(mask_relations) if mask_relations is not None else None
+        self._maskable: torch.Tensor | None = None  # [n_entities] bool from mask_relations and the store
         self.knowledge = True
         self.knowledge_mode = knowledge_mode
         self.expansion_relations = list(expansion_relations) if expansion_relations is not None else None
@@ -213,6 +238,7 @@ class KnowledgeTextEncoder(nn.Module):
 
             linker = EntityLinker.from_store(store)
         self.store, self.linker, self.fusion = store, linker, fusion
+        self._maskable = entities_with_facts(store, self._mask_relations, "mask_relations")
         self.expander = PromptExpander(store, linker, self.expansion_relations)
         if not getattr(self.tokenizer, "is_fast", False):
             log.warning(
@@ -232,6 +258,15 @@ class KnowledgeTextEncoder(nn.Module):
                 f"mask_entity_mentions: the tokenizer ({type(self.tokenizer).__name__}) has no [MASK] token"
             )
         self._mask_entity_mentions = bool(value)
+
+    @property
+    def mask_relations(self) -> list[str] | None:
+        return self._mask_relations
+
+    @mask_relations.setter
+    def mask_relations(self, relations: Sequence[str] | None) -> None:
+        self._maskable = entities_with_facts(self.store, relations, "mask_relations")
+        self._mask_relations = list(relations) if relations is not None else None
 
     @property
     def knowledge_mode(self) -> str:
@@ -336,7 +371,10 @@ class KnowledgeTextEncoder(nn.Module):
                     ids[b, inside] = span.entity_id
         input_ids = enc["input_ids"]
         if self.mask_entity_mentions and self.has_knowledge:
-            input_ids = input_ids.masked_fill(ids >= 0, self.tokenizer.mask_token_id)
+            masked = ids >= 0
+            if self._maskable is not None:
+                masked &= self._maskable[ids.clamp(min=0)]
+            input_ids = input_ids.masked_fill(masked, self.tokenizer.mask_token_id)
         return {
             "input_ids": input_ids,
             "attention_mask": enc["attention_mask"],
@@ -397,6 +435,7 @@ class KnowledgeTextEncoder(nn.Module):
             "max_relations": self.max_relations,
             "use_attention_mask": self.use_attention_mask,
             "mask_entity_mentions": self.mask_entity_mentions,
+            "mask_relations": self.mask_relations,
             "knowledge_mode": self.knowledge_mode,
             "expansion_relations": self.expansion_relations,
         }

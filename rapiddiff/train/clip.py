@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from rapiddiff.models.clip import KnowledgeCLIP
-from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer
+from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer, entities_with_facts
 from rapiddiff.train.common import FrozenGC, RapidModule, run_cli, use_fused_adamw
 from rapiddiff.train.data import ImageTextData, TokenMemo
 from rapiddiff.train.speed import GRAPH_WARMUP_STEPS, GraphedLoss
@@ -94,23 +94,6 @@ def _load_store(path: str) -> Any:
             f"knowledge_store: folder not found: {path}; train one with `rapiddiff kg train --config ...`"
         )
     return KnowledgeStore.load(path)
-
-
-def _entities_with_facts(store: Any, relations: list[str] | None) -> torch.Tensor | None:
-    """[n_entities] bool: heads a fact of one of ``relations``; None when ``relations`` is None."""
-    if relations is None or store is None:  # without knowledge nothing is hidden anyway
-        return None
-    names = store.relation_names
-    unknown = [r for r in relations if r not in names]
-    if unknown:
-        raise ValueError(
-            f"entity_token_dropout_relations: {unknown} not in the store's relations ({', '.join(names)})"
-        )
-    triples = store.triples
-    chosen = torch.isin(triples[:, 1], torch.tensor([names.index(r) for r in relations]))
-    hideable = torch.zeros(len(store), dtype=torch.bool)
-    hideable[triples[chosen, 0]] = True
-    return hideable
 
 
 def build_clip(
@@ -267,8 +250,12 @@ class CLIPTraining(RapidModule):
         self._graphed: GraphedLoss | None = None  # speed.cuda_graph, from step GRAPH_WARMUP_STEPS on
         self._hide_ids: tuple[int, int, int] | None = None  # [MASK] id, random-id range (cached)
         # Which entity ids may be hidden (None: all); a buffer, so it follows the module's device.
-        hideable = _entities_with_facts(store, entity_token_dropout_relations)
+        hideable = entities_with_facts(
+            store, entity_token_dropout_relations, "entity_token_dropout_relations"
+        )
         self.register_buffer("_hideable", hideable, persistent=False)
+        if self.model.text_encoder.fusion is not None:  # inference masks (if at all) what training hid
+            self.model.text_encoder.mask_relations = entity_token_dropout_relations
 
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:

@@ -221,6 +221,28 @@ def test_mask_entity_mentions_hides_names_only_with_knowledge_and_is_saved(tmp_p
     assert not (default.tokenize([PROMPT])["input_ids"] == mask_id).any()
 
 
+def test_mask_relations_mask_only_the_objects_the_kg_describes(tmp_path, taiyi_dir, store):
+    """mask_relations=[颜色]: 番茄 (which heads a 颜色 fact) becomes [MASK], 红色 (an entity too, but
+    the tail of that fact) stays readable; saved and loaded; an unknown relation is named."""
+    encoder = KnowledgeTextEncoder.from_pretrained(
+        taiyi_dir, store=store, max_length=24, mask_entity_mentions=True, mask_relations=["颜色"]
+    )
+    batch = encoder.tokenize(["一个红色的番茄"])
+    ids, tokens = batch["token_entity_ids"][0], batch["input_ids"][0]
+    mask_id = encoder.tokenizer.mask_token_id
+    tomato, red = ids == store.id_of("番茄"), ids == store.id_of("红色")
+    assert tomato.any() and red.any()
+    assert (tokens[tomato] == mask_id).all() and not (tokens[red] == mask_id).any()
+    encoder.save_pretrained(tmp_path / "m")
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m")
+    assert loaded.mask_relations == ["颜色"]
+    assert torch.equal(loaded.tokenize(["一个红色的番茄"])["input_ids"], batch["input_ids"])
+    encoder.mask_relations = None  # every linked mention again
+    assert (encoder.tokenize(["一个红色的番茄"])["input_ids"][0][red] == mask_id).all()
+    with pytest.raises(ValueError, match=r"mask_relations: \['材质'\] not in the store's relations"):
+        encoder.mask_relations = ["材质"]
+
+
 def test_mask_entity_mentions_needs_a_mask_token(tmp_path, store):
     from rapiddiff.models.presets import write_tiny_sd_folder
 

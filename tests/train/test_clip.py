@@ -137,7 +137,18 @@ def test_entity_token_dropout_relations_hides_described_entities_and_keeps_attri
     assert torch.equal(
         module.hide_entity_tokens(tokens, ids, fixed_shapes=True)[~described], tokens[~described]
     )
-    with pytest.raises(ValueError, match=r"\['材质'\] not in the store's relations \(颜色, 形状\)"):
+    # mask_entity_mentions then masks at inference exactly what training hid: 番茄, not 红色
+    masking = clip_train.CLIPTraining(
+        **kwargs, knowledge_store=store, mask_entity_mentions=True, entity_token_dropout_relations=["颜色"]
+    ).model.text_encoder
+    assert masking.mask_relations == ["颜色"]
+    masked = masking.tokenize(["左边有一个红色的方形", "一个番茄"])["input_ids"]
+    assert torch.equal(masked[~described], tokens[~described])
+    assert (masked[described] == masking.tokenizer.mask_token_id).all()
+    with pytest.raises(
+        ValueError,
+        match=r"entity_token_dropout_relations: \['材质'\] not in the store's relations \(颜色, 形状\)",
+    ):
         clip_train.CLIPTraining(**kwargs, knowledge_store=store, entity_token_dropout_relations=["材质"])
     assert clip_train.CLIPTraining(**kwargs, entity_token_dropout_relations=["颜色"])._hideable is None
 
