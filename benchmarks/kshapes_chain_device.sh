@@ -39,7 +39,7 @@ if [ "$part" = prep ]; then
   until grep -q "data: exit 0" $work/seed-0.log 2>/dev/null || ! kill -0 $chain 2>/dev/null; do sleep 2; done
   if [ -n "${VAE_REUSE:-}" ]; then  # VAE_REUSE=path/vae_best.tgz: an earlier call's VAE as it is (an
     # ablation of a later stage keeps the VAE fixed); the prep is then data, TransE, CLIP, upscaler
-    cp "$VAE_REUSE" "$out/vae_best.tgz"; wait $chain
+    cp "$VAE_REUSE" "$out/vae_best.tgz" || { kill $chain; exit 1; }; wait $chain
     tar czf "$out/logs.tgz" $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null; ls -la "$out"; exit 0
   fi
   init=()  # VAE_INIT=path/vae_best.tgz: continue training an earlier call's VAE instead of starting over

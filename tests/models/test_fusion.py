@@ -163,5 +163,7 @@ def test_tail_items_are_the_facts_tail_vectors() -> None:
     torch.testing.assert_close(translated[0, 1], vectors[0] + fusion.relation_vectors[1])
     assert not torch.allclose(translated[0, 1], items[0, 1])
     assert FusionConfig(**tail.config.to_dict()).relation_items == "tail"
+    saved_before = {k: v for k, v in tail.config.to_dict().items() if k != "relation_items"}
+    assert FusionConfig(**saved_before).relation_items == "translation"  # a fusion_config.json from before
     with pytest.raises(ValueError, match="relation_items must be one of translation, tail, got 'tails'"):
         FusionConfig(kg_dim=8, hidden_size=12, relation_items="tails")

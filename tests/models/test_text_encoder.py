@@ -243,6 +243,45 @@ def test_mask_relations_mask_only_the_objects_the_kg_describes(tmp_path, taiyi_d
         encoder.mask_relations = ["材质"]
 
 
+def test_a_saved_mask_scope_loads_with_another_store_while_masking_is_off(tmp_path, taiyi_dir, store):
+    """A folder saved with mask_relations its new store lacks still loads and encodes with masking
+    off (the scope is built on first use); asked to mask, it names the setting."""
+    from rapiddiff.kg.store import KnowledgeStore
+
+    encoder = KnowledgeTextEncoder.from_pretrained(
+        taiyi_dir, store=store, max_length=24, mask_relations=["颜色"]
+    )
+    encoder.save_pretrained(tmp_path / "m")
+    other = KnowledgeStore.from_arrays(
+        ["番茄", "红色"], ["color"], torch.randn(2, 8), torch.randn(1, 8), [(0, 0, 1)]
+    )
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m", store=other)
+    assert loaded.mask_relations == ["颜色"] and not loaded.mask_entity_mentions
+    loaded.tokenize(["一个红色的番茄"])
+    loaded.mask_entity_mentions = True
+    with pytest.raises(
+        ValueError, match=r"mask_relations: \['颜色'\] not in the store's relations \(color\)"
+    ):
+        loaded.tokenize(["一个红色的番茄"])
+
+
+def test_a_new_store_keeps_the_loaded_fusion_kind(taiyi_dir, store):
+    """set_store without fusion weights (the U-Net stage's store replacement) builds a fusion of the
+    kind the encoder's fusion was: tail items stay tail items."""
+    from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
+
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir)
+    width = encoder.text_model.config.hidden_size
+    config = FusionConfig(
+        kg_dim=8, hidden_size=width, max_relations=3, entity_item=False, relation_items="tail"
+    )
+    encoder.set_store(store, fusion=KnowledgeFusion(config))
+    assert (encoder.relation_items, encoder.entity_item, encoder.max_relations) == ("tail", False, 3)
+    encoder.set_store(store)
+    assert encoder.fusion.config.relation_items == "tail" and not encoder.fusion.config.entity_item
+    assert encoder.fusion.config.max_relations == 3 and torch.all(encoder.fusion.gates == 0)
+
+
 def test_mask_entity_mentions_needs_a_mask_token(tmp_path, store):
     from rapiddiff.models.presets import write_tiny_sd_folder
 
