@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 RELATION_ITEMS = ("translation", "tail")
+LOGIT_SCALE = 10.0  # relation_weights: the logits' parametrisation (KnowledgeFusion.__init__ says why)
 
 
 @dataclass
@@ -54,7 +55,16 @@ class FusionConfig:
     A relation with several tails contributes one of them (the smallest id): fine for one-valued
     relations like 颜色/形状; for a KG of many-valued ones "translation" loses nothing there."""
 
+    relation_weights: int = 0
+    """0: an entity's items are mean-pooled. N > 0 (the store's relation count): one learned weight per
+    relation and one for ``e``, and the items are pooled by the softmax of their weights, so training can
+    favour 颜色 and 形状 over 产地 or 季节. The weights start at zero: the mean, at first."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.relation_weights, int) or self.relation_weights < 0:
+            raise ValueError(
+                f"FusionConfig.relation_weights must be an int >= 0, got {self.relation_weights!r}"
+            )
         for name in ("kg_dim", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FusionConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -165,6 +175,12 @@ class KnowledgeFusion(nn.Module):
         )
         self.out_proj = nn.ModuleList(nn.Linear(width, config.hidden_size) for _ in range(config.num_layers))
         self.gates = nn.Parameter(torch.zeros(config.num_layers))
+        # relation_weights: logits of each relation's items, then of the entity's own vector (last),
+        # stored divided by LOGIT_SCALE: Adam moves a parameter ~lr a step whatever its gradient, and a
+        # softmax needs logits a few units apart, not the thousandths 300 steps at lr 1e-3 would give.
+        self.item_logits = (
+            nn.Parameter(torch.zeros(config.relation_weights + 1)) if config.relation_weights else None
+        )
         # Training-only regulariser (like nn.Dropout's p, not part of the saved architecture): each
         # knowledge item is dropped with this probability, so no single item (e.g. the entity's
         # own vector, which a held-out entity's training never shaped) carries the signal alone.
@@ -193,6 +209,11 @@ class KnowledgeFusion(nn.Module):
                 f"knowledge store vectors have width {entity_vectors.shape[-1]} (relations "
                 f"{relation_vectors.shape[-1]}), but the fusion weights expect kg_dim={self.config.kg_dim}; "
                 "use the store these fusion weights were trained with"
+            )
+        if self.config.relation_weights and relation_vectors.shape[0] != self.config.relation_weights:
+            raise ValueError(
+                f"the knowledge store has {relation_vectors.shape[0]} relations, but the fusion weighs "
+                f"{self.config.relation_weights}; use the store these fusion weights were trained with"
             )
         device = self.gates.device
         table = relation_table(triples.cpu(), entity_vectors.shape[0], self.config.max_relations)
@@ -230,8 +251,14 @@ class KnowledgeFusion(nn.Module):
             kept = mask & (torch.rand(mask.shape, device=mask.device) >= self.item_dropout)
             mask = torch.where(kept.any(1, keepdim=True), kept, mask)  # never drop every item
         h = self.item_mlp(items)  # (E, 1 + K, W)
-        m = mask.unsqueeze(-1).to(h.dtype)
-        return (h * m).sum(1) / m.sum(1)
+        if self.item_logits is None:
+            m = mask.unsqueeze(-1).to(h.dtype)
+            return (h * m).sum(1) / m.sum(1)
+        rel_ids = self.entity_relations[entity_ids].clamp(min=0)
+        scaled = self.item_logits * LOGIT_SCALE
+        own = scaled[-1].expand(rel_ids.shape[0], 1)
+        logits = torch.cat([own, scaled[rel_ids]], dim=1).masked_fill(~mask, float("-inf"))
+        return (h * torch.softmax(logits, dim=1).unsqueeze(-1).to(h.dtype)).sum(1)
 
     def forward(self, token_entity_ids: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """[B, L] entity ids (-1 = none) → one delta [B, L, hidden_size] per fused layer.

@@ -134,6 +134,8 @@ class KnowledgeTextEncoder(nn.Module):
             the setting it was trained with.
         relation_items: "translation" (``e + r``) or "tail" (the fact's tail ``t``) for each of an
             entity's relations (:class:`~rapiddiff.models.fusion.FusionConfig`); for a new fusion only.
+        relation_weights: pool an entity's items by a learned weight per relation (softmax) instead of
+            their mean; for a new fusion only.
         use_attention_mask: pass the padding mask to the tower. Default: the text config's
             ``use_attention_mask`` if set (diffusers reads the same flag), else False — SD 1.x
             and Taiyi pipelines encode without it, and pretrained weights expect that.
@@ -164,6 +166,7 @@ class KnowledgeTextEncoder(nn.Module):
         max_relations: int = 8,
         entity_item: bool = True,
         relation_items: str = "translation",
+        relation_weights: bool = False,
         use_attention_mask: bool | None = None,
         linker: Any = None,
         fusion: KnowledgeFusion | None = None,
@@ -196,6 +199,7 @@ class KnowledgeTextEncoder(nn.Module):
         self.max_relations = max_relations
         self.entity_item = entity_item
         self.relation_items = relation_items
+        self.relation_weights = relation_weights
         self.mask_entity_mentions = mask_entity_mentions
         self._mask_relations = list(mask_relations) if mask_relations is not None else None
         self._maskable: torch.Tensor | None = None  # [n_entities] bool from mask_relations and the store
@@ -224,6 +228,7 @@ class KnowledgeTextEncoder(nn.Module):
                     max_relations=self.max_relations,
                     entity_item=self.entity_item,
                     relation_items=self.relation_items,
+                    relation_weights=len(store.relation_names) if self.relation_weights else 0,
                 )
             )
         elif fusion.config.num_layers != len(self.fusion_layers):
@@ -235,6 +240,7 @@ class KnowledgeTextEncoder(nn.Module):
         self.max_relations = fusion.config.max_relations
         self.entity_item = fusion.config.entity_item
         self.relation_items = fusion.config.relation_items
+        self.relation_weights = bool(fusion.config.relation_weights)
         param = next(self.text_model.parameters())
         fusion = fusion.to(param.device)
         fusion.set_knowledge(store.entity_vectors, store.relation_vectors, store.triples)

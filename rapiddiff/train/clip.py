@@ -110,6 +110,7 @@ def build_clip(
     max_relations: int,
     entity_item: bool = True,
     relation_items: str = "translation",
+    relation_weights: bool = False,
 ) -> KnowledgeCLIP:
     """A KnowledgeCLIP from a checkpoint folder (Chinese-CLIP or KnowledgeCLIP) or from scratch."""
     text_kwargs = {
@@ -117,6 +118,7 @@ def build_clip(
         "max_relations": max_relations,
         "entity_item": entity_item,
         "relation_items": relation_items,
+        "relation_weights": relation_weights,
     }
     if init_from:
         model = KnowledgeCLIP.from_pretrained(init_from, **text_kwargs)
@@ -176,6 +178,8 @@ class CLIPTraining(RapidModule):
         knowledge_relation_items: what each of an entity's relations adds as an item: "translation",
             TransE's ``e + r`` (a prediction of the tail), or "tail", the vector of the tail of the
             entity's fact in the KG (saved in the fusion config, like knowledge_entity_item).
+        knowledge_relation_weights: pool an entity's knowledge items by a learned weight per relation
+            (softmax, zero at start: the mean) instead of their plain mean (saved in the fusion config).
         freeze: what not to train: the image tower, the text tower, or all but the fusion.
         lr: learning rate of the towers and heads.
         fusion_lr: learning rate of the fusion module and gates (default: lr).
@@ -204,6 +208,7 @@ class CLIPTraining(RapidModule):
         knowledge_item_dropout: float = 0.0,
         knowledge_entity_item: bool = True,
         knowledge_relation_items: Literal["translation", "tail"] = "translation",
+        knowledge_relation_weights: bool = False,
         freeze: Freeze = "none",
         lr: float = 5e-4,
         fusion_lr: float | None = None,
@@ -228,6 +233,7 @@ class CLIPTraining(RapidModule):
             max_relations=max_relations,
             entity_item=knowledge_entity_item,
             relation_items=knowledge_relation_items,
+            relation_weights=knowledge_relation_weights,
         )
         if image_size is not None and image_size != self.model.image_size:
             raise ValueError(

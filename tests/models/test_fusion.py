@@ -167,3 +167,28 @@ def test_tail_items_are_the_facts_tail_vectors() -> None:
     assert FusionConfig(**saved_before).relation_items == "translation"  # a fusion_config.json from before
     with pytest.raises(ValueError, match="relation_items must be one of translation, tail, got 'tails'"):
         FusionConfig(kg_dim=8, hidden_size=12, relation_items="tails")
+
+
+def test_relation_weights_start_as_the_mean_and_then_favour_a_relation() -> None:
+    """relation_weights: zero logits pool exactly the mean; raising one relation's logit pulls the
+    pooled features toward that relation's item; the store must have as many relations."""
+    triples = torch.tensor([[0, 1, 5], [0, 3, 7], [2, 1, 5], [9, 0, 4]])
+    plain = KnowledgeFusion(FusionConfig(kg_dim=8, hidden_size=12, max_relations=3))
+    weighted = KnowledgeFusion(FusionConfig(**{**plain.config.to_dict(), "relation_weights": 4}))
+    weighted.load_state_dict({**plain.state_dict(), "item_logits": torch.zeros(5)})
+    vectors, relations = torch.randn(10, 8), torch.randn(4, 8)
+    for fusion in (plain, weighted):
+        fusion.set_knowledge(vectors, relations, triples)
+    ids = torch.tensor([0, 2, 9, 5])
+    torch.testing.assert_close(weighted.entity_features(ids), plain.entity_features(ids))
+    with torch.no_grad():
+        weighted.item_logits[3] = 2.0  # relation 3: only entity 0 has it (its item 2)
+    items, _ = plain.entity_items(ids[:1])
+    only_r3 = plain.item_mlp(items[0, 2])
+    moved = (weighted.entity_features(ids[:1])[0] - only_r3).norm()
+    assert moved < 0.01 * (plain.entity_features(ids[:1])[0] - only_r3).norm()
+    torch.testing.assert_close(weighted.entity_features(ids[1:]), plain.entity_features(ids[1:]))
+    with pytest.raises(ValueError, match="store has 5 relations, but the fusion weighs 4"):
+        weighted.set_knowledge(vectors, torch.randn(5, 8), triples)
+    with pytest.raises(ValueError, match="relation_weights must be an int >= 0, got -1"):
+        FusionConfig(kg_dim=8, hidden_size=12, relation_weights=-1)

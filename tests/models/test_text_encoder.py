@@ -273,13 +273,19 @@ def test_a_new_store_keeps_the_loaded_fusion_kind(taiyi_dir, store):
     encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir)
     width = encoder.text_model.config.hidden_size
     config = FusionConfig(
-        kg_dim=8, hidden_size=width, max_relations=3, entity_item=False, relation_items="tail"
+        kg_dim=8,
+        hidden_size=width,
+        max_relations=3,
+        entity_item=False,
+        relation_items="tail",
+        relation_weights=2,
     )
     encoder.set_store(store, fusion=KnowledgeFusion(config))
     assert (encoder.relation_items, encoder.entity_item, encoder.max_relations) == ("tail", False, 3)
     encoder.set_store(store)
     assert encoder.fusion.config.relation_items == "tail" and not encoder.fusion.config.entity_item
     assert encoder.fusion.config.max_relations == 3 and torch.all(encoder.fusion.gates == 0)
+    assert encoder.fusion.config.relation_weights == 2 and torch.all(encoder.fusion.item_logits == 0)
 
 
 def test_mask_entity_mentions_needs_a_mask_token(tmp_path, store):

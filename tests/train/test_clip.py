@@ -164,17 +164,23 @@ def test_knowledge_item_options_reach_the_saved_fusion_config(tiny_setup, tmp_pa
         **kwargs, knowledge_store=store
     ).model.text_encoder.fusion.config.entity_item
     module = clip_train.CLIPTraining(
-        **kwargs, knowledge_store=store, knowledge_entity_item=False, knowledge_relation_items="tail"
+        **kwargs,
+        knowledge_store=store,
+        knowledge_entity_item=False,
+        knowledge_relation_items="tail",
+        knowledge_relation_weights=True,
     )
     assert module.model.text_encoder.fusion.entity_tails.shape[0] > 0
     module.model.text_encoder.save_pretrained(tmp_path / "model")
     loaded = load_fusion(tmp_path / "model" / "knowledge").config
     assert loaded.entity_item is False and loaded.relation_items == "tail"
+    assert loaded.relation_weights == len(KnowledgeStore.load(store).relation_names)
     # a checkpoint's fusion keeps what it was trained with, whatever the option's default says
     module.model.save_pretrained(tmp_path / "clip")
     resumed = clip_train.CLIPTraining(**kwargs, init_from=str(tmp_path / "clip"), knowledge_store=store)
     assert resumed.model.text_encoder.fusion.config.entity_item is False
     assert resumed.model.text_encoder.fusion.config.relation_items == "tail"
+    assert resumed.model.text_encoder.fusion.config.relation_weights == loaded.relation_weights
     assert torch.equal(
         resumed.model.text_encoder.fusion.entity_tails, module.model.text_encoder.fusion.entity_tails
     )
