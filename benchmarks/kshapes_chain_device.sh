@@ -57,14 +57,15 @@ else
     --vae /tmp/vae_best/vae --workers 2 > "$out/chain_unet.log" 2>&1
   cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
   tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
-  best=$(python -c "import json; print(json.load(open('$work/summary.json'))['selection']['best_seed'])" 2>/dev/null)
+  # the seed and knowledge mode chosen on the validation entities (summarise_seeds)
+  read -r best mode < <(python -c "import json; s = json.load(open('$work/summary.json'))['selection']; \
+print(s['best_seed'], s.get('knowledge_mode') or '')" 2>/dev/null)
   if [ -z "$best" ]; then  # no summary (the evaluation was cut by the time limit): the models are
     # assembled before the evaluation, so keep the first seed's rather than lose them all
     best=$(ls -d $work/seed-*/builtin 2>/dev/null | head -1 | sed 's|.*/seed-\([0-9]*\)/builtin|\1|')
     [ -n "$best" ] && echo "no summary.json: packing seed $best's model, not the best seed's" | tee "$out/NOTE.txt"
   fi
   # the chosen seed's built-in model (≈ 19 MB) in the chosen knowledge mode: two parts under 16 MiB
-  mode=$(python -c "import json; print(json.load(open('$work/summary.json'))['selection'].get('knowledge_mode') or '')" 2>/dev/null)
   [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
     "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
   [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."

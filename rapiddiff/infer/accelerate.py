@@ -248,12 +248,8 @@ def cudnn_benchmark_flag(on: bool = True) -> Any:
     not time anything). Two consequences: the cache is thread-local, and a key already planned by
     heuristics in this thread keeps that plan (turning the flag on later times nothing).
     """
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = on
-    try:
+    with _flag_for_block(torch.backends.cudnn, "benchmark", on):
         yield
-    finally:
-        torch.backends.cudnn.benchmark = before
 
 
 @contextlib.contextmanager
@@ -261,13 +257,21 @@ def fp16_accumulate_flag(on: bool = True) -> Any:
     """``torch.backends.cuda.matmul.allow_fp16_accumulation = on`` for the block, the previous value
     restored after. ATen reads it as it launches each float16 matrix product, so a CUDA graph
     captured inside replays fp16-accumulating kernels whatever the flag is later."""
-    matmul = torch.backends.cuda.matmul
-    before = matmul.allow_fp16_accumulation
-    matmul.allow_fp16_accumulation = on
+    with _flag_for_block(torch.backends.cuda.matmul, "allow_fp16_accumulation", on):
+        yield
+
+
+@contextlib.contextmanager
+def _flag_for_block(owner: Any, name: str, on: bool) -> Any:
+    """``owner.name = on`` for the block, the previous value restored after. (Not
+    unittest.mock.patch.object: torch's backend flags are class-level properties, and its exit tries
+    to delete them: AttributeError __delete__.)"""
+    before = getattr(owner, name)
+    setattr(owner, name, on)
     try:
         yield
     finally:
-        matmul.allow_fp16_accumulation = before
+        setattr(owner, name, before)
 
 
 def compile_cache_file(path: str, config: AccelerateConfig) -> str:

@@ -61,10 +61,6 @@ class FusionConfig:
     favour 颜色 and 形状 over 产地 or 季节. The weights start at zero: the mean, at first."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.relation_weights, int) or self.relation_weights < 0:
-            raise ValueError(
-                f"FusionConfig.relation_weights must be an int >= 0, got {self.relation_weights!r}"
-            )
         for name in ("kg_dim", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FusionConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -75,6 +71,10 @@ class FusionConfig:
         if self.relation_items not in RELATION_ITEMS:
             raise ValueError(
                 f"FusionConfig.relation_items must be one of {', '.join(RELATION_ITEMS)}, got {self.relation_items!r}"
+            )
+        if not isinstance(self.relation_weights, int) or self.relation_weights < 0:
+            raise ValueError(
+                f"FusionConfig.relation_weights must be an int >= 0, got {self.relation_weights!r}"
             )
 
     def to_dict(self) -> dict[str, int | bool | str]:
@@ -230,6 +230,11 @@ class KnowledgeFusion(nn.Module):
         fact's tail ``t``) for the entity's relations, masked where absent. With ``config.entity_item``
         False, item 0 is masked unless the entity has no relation.
         """
+        items, mask, _ = self._items(entity_ids)
+        return items, mask
+
+    def _items(self, entity_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`entity_items` and the relation id of each item 1..K [E, K] (-1 where absent)."""
         e = self.entity_vectors[entity_ids]  # (E, d)
         rel_ids = self.entity_relations[entity_ids]  # (E, K)
         has_rel = rel_ids >= 0
@@ -242,11 +247,11 @@ class KnowledgeFusion(nn.Module):
         if not self.config.entity_item:
             own = ~has_rel.any(1, keepdim=True)
         mask = torch.cat([own, has_rel], dim=1)
-        return items, mask
+        return items, mask, rel_ids
 
     def entity_features(self, entity_ids: torch.Tensor) -> torch.Tensor:
         """Pooled knowledge of entities [E] → [E, mlp_dim] (masked mean of the shared MLP)."""
-        items, mask = self.entity_items(entity_ids)
+        items, mask, rel_ids = self._items(entity_ids)
         if self.training and self.item_dropout > 0:
             kept = mask & (torch.rand(mask.shape, device=mask.device) >= self.item_dropout)
             mask = torch.where(kept.any(1, keepdim=True), kept, mask)  # never drop every item
@@ -254,10 +259,9 @@ class KnowledgeFusion(nn.Module):
         if self.item_logits is None:
             m = mask.unsqueeze(-1).to(h.dtype)
             return (h * m).sum(1) / m.sum(1)
-        rel_ids = self.entity_relations[entity_ids].clamp(min=0)
         scaled = self.item_logits * LOGIT_SCALE
         own = scaled[-1].expand(rel_ids.shape[0], 1)
-        logits = torch.cat([own, scaled[rel_ids]], dim=1).masked_fill(~mask, float("-inf"))
+        logits = torch.cat([own, scaled[rel_ids.clamp(min=0)]], dim=1).masked_fill(~mask, float("-inf"))
         return (h * torch.softmax(logits, dim=1).unsqueeze(-1).to(h.dtype)).sum(1)
 
     def forward(self, token_entity_ids: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
