@@ -632,7 +632,7 @@ def load_fusion(kdir: Path) -> KnowledgeFusion:
     cfg_path = kdir / FUSION_CONFIG_FILE
     try:
         config = FusionConfig(**json.loads(cfg_path.read_text(encoding="utf-8")))
-    except (TypeError, json.JSONDecodeError) as err:
+    except (TypeError, ValueError) as err:  # ValueError: bad JSON, or a value FusionConfig refuses
         raise ValueError(f"{cfg_path}: not a valid fusion config ({err})") from err
     fusion = KnowledgeFusion(config)
     weights = kdir / FUSION_FILE

@@ -288,6 +288,20 @@ def test_a_new_store_keeps_the_loaded_fusion_kind(taiyi_dir, store):
     assert encoder.fusion.config.relation_weights == 2 and torch.all(encoder.fusion.item_logits == 0)
 
 
+def test_a_hand_edited_fusion_config_is_refused_by_file_and_key(tmp_path, taiyi_dir, store):
+    import json
+
+    from rapiddiff.models.text_encoder import load_fusion
+
+    KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "knowledge" / "fusion_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "relation_items": "tails"}))
+    with pytest.raises(
+        ValueError, match=r"fusion_config.json: not a valid fusion config .*relation_items must be"
+    ):
+        load_fusion(tmp_path / "m" / "knowledge")
+
+
 def test_mask_entity_mentions_needs_a_mask_token(tmp_path, store):
     from rapiddiff.models.presets import write_tiny_sd_folder
 
