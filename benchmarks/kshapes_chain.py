@@ -79,6 +79,11 @@ class ChainConfig:
     """images generated for each kshapes evaluation prompt, knowledge on and off."""
     eval_steps: int = 25
     """PNDM steps for the evaluation images (and the built-in model's default)."""
+    guidance_candidates: list[float] = field(default_factory=list)
+    """CFG scales to try on the validation KG-only entities (knowledge embed and both) before the
+    evaluation; the best becomes the scale of every evaluation and of the built-in model. Empty: the
+    trained folder's scale. The scale moves every figure (the shipped model: attribute captions all
+    four 78 % at 5.0, 88 % at 3.0; BENCHMARKS.md), so it is chosen like the seed: on validation."""
     eval_robust: bool = True
     """also evaluate prompts_robust.jsonl (wording no training caption uses), knowledge on and off."""
     eval_text_mode: bool = True
@@ -319,8 +324,38 @@ class Chain:
                 )
         if jobs:
             self.run_parallel(jobs)
+        self.choose_guidance()
         self.assemble_builtin()
         self.evaluate()
+
+    def choose_guidance(self) -> float | None:
+        """The CFG scale for the evaluation and the built-in model: each of ``guidance_candidates`` on
+        the validation entities (results/guidance.json), the best kept; None: the trained folder's."""
+        target = self.results / "guidance.json"
+        if target.exists():
+            return json.loads(target.read_text("utf-8"))["chosen"]
+        if not self.cfg.guidance_candidates:
+            return None
+        steps = "4" if self.smoke else str(self.cfg.eval_steps)
+        per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
+        runs = {g: self.results / "guidance" / f"g{g:g}" for g in self.cfg.guidance_candidates}
+        jobs = {}
+        for g, run in runs.items():
+            if not (run / "metrics" / "knowledge.json").exists():
+                jobs[f"guidance_{g:g}"] = self.rapiddiff(
+                    "eval", "knowledge", "--model", str(self.out / "unet_on"), "--kshapes", str(self.data),
+                    "--out", str(run), "--splits", "val", "--modes", "on,both", "--guidance", str(g),
+                    "--steps", steps, "--images-per-prompt", per_prompt, "--seed", str(self.cfg.seed),
+                    *(["--limit", "6"] if self.smoke else []),
+                )  # fmt: skip
+        if jobs:
+            self.run_parallel(jobs)
+        scores = {g: validation_score(run / "metrics" / "knowledge.json") for g, run in runs.items()}
+        chosen = pick_guidance(scores)
+        record = {"scores": {f"{g:g}": v for g, v in scores.items()}, "chosen": chosen}
+        target.write_text(json.dumps(record, indent=1), "utf-8")
+        print(f"[chain] guidance {chosen:g} (validation both %, better mode: {scores})", flush=True)
+        return chosen
 
     def schedule_overrides(self) -> list[str]:
         """The U-Net stage's noise schedule and prediction: the stage config's, or zero terminal SNR."""
@@ -336,8 +371,9 @@ class Chain:
         start = time.time()
         upscaler = next((self.out / "upscaler").rglob("*.safetensors"))
         steps = 4 if self.smoke else self.cfg.eval_steps
+        guidance = self.choose_guidance()
         assemble_builtin_model(
-            self.out / "unet_on", upscaler, self.data, builtin, steps, self.cfg.guidance_rescale
+            self.out / "unet_on", upscaler, self.data, builtin, steps, self.cfg.guidance_rescale, guidance
         )
         record_kg_only_entities(self.data, builtin)
         self.timings["assemble"] = round(time.time() - start, 1)
@@ -345,7 +381,9 @@ class Chain:
     def evaluate(self) -> None:
         steps = "4" if self.smoke else str(self.cfg.eval_steps)
         per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
+        guidance = self.choose_guidance()
         common = ["--steps", steps, "--images-per-prompt", per_prompt, "--seed", str(self.cfg.seed),
+                  *(["--guidance", str(guidance)] if guidance is not None else []),
                   *(["--limit", "6"] if self.smoke else [])]  # fmt: skip
         # (model, prompts, modes, splits) per evaluation. The knowledge-off model has no store: only
         # "off". "text" spells the KG facts into the prompt for the same U-Net, "both" spells them and
@@ -458,17 +496,23 @@ class Chain:
 
 
 def assemble_builtin_model(
-    unet_dir: Path, upscaler: Path, data: Path, out: Path, steps: int, guidance_rescale: float = 0.0
+    unet_dir: Path,
+    upscaler: Path,
+    data: Path,
+    out: Path,
+    steps: int,
+    guidance_rescale: float = 0.0,
+    guidance: float | None = None,
 ) -> None:
     """A trained model folder + an upscaler → the shippable fp16 folder at ``out``.
 
     The text tower keeps only the vocabulary kshapes uses (the other ~20,900 rows of the 21,128-token
     embedding were never trained): 5 MB less, identical outputs on that text. The folder records its
     sampling defaults (``steps`` PNDM steps — DDIM for a zero-terminal-SNR U-Net —, CFG rescale
-    ``guidance_rescale``, and the guidance scale the trained folder recommends, else 7.5), which
-    `rapiddiff generate` reads. The guidance is the trained folder's because the chain's evaluation
-    samples that folder at it: a different shipped scale would ship a model nobody measured (the U-Net
-    config's 5.0 against 7.5: BENCHMARKS.md, issue 18, 2026-11-24).
+    ``guidance_rescale``, and ``guidance``, else the scale the trained folder recommends, else 7.5),
+    which `rapiddiff generate` reads. The guidance is the one the chain's evaluation samples at (the
+    validation choice, else the trained folder's): a different shipped scale would ship a model nobody
+    measured (the U-Net config's 5.0 against 7.5: BENCHMARKS.md, issue 18, 2026-11-24).
     """
     import torch
 
@@ -485,7 +529,8 @@ def assemble_builtin_model(
     print(f"[chain] vocabulary: {prune_vocabulary(bundle.text_encoder, texts)}", flush=True)
     # PNDM, or DDIM for a zero-terminal-SNR U-Net (PNDM cannot step from ᾱ_T = 0).
     sampler = default_sampler(bundle.scheduler.config, "pndm")
-    guidance = bundle.sampling.guidance_scale if bundle.sampling is not None else 7.5
+    if guidance is None:
+        guidance = bundle.sampling.guidance_scale if bundle.sampling is not None else 7.5
     bundle.sampling = SamplingDefaults(
         num_inference_steps=steps,
         guidance_scale=guidance,
@@ -679,6 +724,20 @@ def _visible_gpus() -> list[str]:
         return []
 
 
+def validation_score(metrics: Path) -> float:
+    """An evaluation's both % on the validation entities, in its better knowledge mode (embed or both:
+    the modes a model ships in)."""
+    rows = json.loads(metrics.read_text("utf-8"))["table"]
+    return max(r["both"] for r in rows if r["split"] == "val" and r["knowledge"] in ("on", "embed", "both"))
+
+
+def pick_guidance(scores: dict[float, float]) -> float:
+    """The best-scoring CFG scale; ties go to the lower scale (closer to the model's own prediction)."""
+    if not scores:
+        raise ValueError("no guidance candidates were scored")
+    return max(scores, key=lambda g: (scores[g], -g))
+
+
 def seed_measures(run: Path) -> dict[str, float]:
     """Every number one seed's chain produced, flat: "knowledge heldout on both" → 46.2, ..."""
     results = run / "results"
@@ -718,6 +777,12 @@ def seed_measures(run: Path) -> dict[str, float]:
     if on is not None and ceiling > 0:
         found["U-Net on | heldout | ceiling both % (best of text, both)"] = ceiling
         found["U-Net on | heldout | TransE (on) / ceiling both, ratio %"] = 100.0 * on / ceiling
+    guidance = results / "guidance.json"
+    if guidance.exists():
+        g = json.loads(guidance.read_text("utf-8"))
+        found["guidance | chosen on validation"] = g["chosen"]
+        for scale, score in g["scores"].items():
+            found[f"guidance | {scale} | validation both % (better mode)"] = score
     recon = results / "vae_recon" / "kshapes_vae_recon.json"
     if recon.exists():
         r = json.loads(recon.read_text("utf-8"))
