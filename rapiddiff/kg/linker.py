@@ -699,6 +699,18 @@ class EntitySpan:
     surface: str
 
 
+# Words saying that the mention after them is NOT in the picture: 画一个番茄，不是苹果 / 而不是 / 并非 /
+# 没有 / 不要. Knowledge readers skip such mentions (is_negated): injecting 苹果's facts would draw them.
+NEGATION_CUES: tuple[str, ...] = ("不是", "并非", "而非", "没有", "不要", "不含")
+_NEGATED = re.compile("(?:" + "|".join(NEGATION_CUES) + r")[^，,。.；;：:！!？?、\s]{0,2}$")
+
+
+def is_negated(text: str, span: EntitySpan) -> bool:
+    """Whether a negation cue (:data:`NEGATION_CUES`) stands at most two characters before the mention,
+    inside its clause ("不是Y", "而不是一个Y", "没有Y"; not "不是Y的Z"'s Z, nor across a comma)."""
+    return _NEGATED.search(text, 0, span.start) is not None
+
+
 class EntityLinker:
     """Longest-match entity linking over a surface-form lexicon, with a jieba word-cut check."""
 

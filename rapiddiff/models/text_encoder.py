@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from rapiddiff.kg.linker import is_negated
 from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
@@ -385,6 +386,8 @@ class KnowledgeTextEncoder(nn.Module):
             offsets = enc["offset_mapping"]
             for b, text in enumerate(prompts):
                 for span in self.linker.link(text):
+                    if is_negated(text, span):  # "…，不是苹果": 苹果's facts are not to be drawn
+                        continue
                     start, end = offsets[b, :, 0], offsets[b, :, 1]
                     # A token belongs to a span when their character ranges overlap; special and
                     # padding tokens have empty (0, 0) ranges and never do.

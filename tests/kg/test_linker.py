@@ -505,3 +505,23 @@ def test_a_short_text_links_without_starting_numba(tmp_path: Path) -> None:
     assert numba_loaded is False
     assert spans == [[s.start, s.end, s.entity_id] for s in EntityLinker(lexicon).link(text)]
     assert len(spans) == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "mention", "negated"),
+    [
+        ("画一个番茄，不是牛仔裤，背景是浅蓝色", "牛仔裤", True),
+        ("画一个番茄，不是牛仔裤，背景是浅蓝色", "番茄", False),
+        ("中间放着的是苹果而不是金字塔", "金字塔", True),
+        ("中间放着的是苹果而不是金字塔", "苹果", False),
+        ("桌上没有一个苹果", "苹果", True),  # up to two characters between cue and mention
+        ("不是苹果的番茄", "番茄", False),  # too far from the cue
+        ("不是，苹果", "苹果", False),  # another clause
+        ("并非苹果", "苹果", True),
+    ],
+)
+def test_is_negated(text: str, mention: str, negated: bool) -> None:
+    from rapiddiff.kg.linker import EntitySpan, is_negated
+
+    start = text.index(mention)
+    assert is_negated(text, EntitySpan(start, start + len(mention), 0, mention)) is negated

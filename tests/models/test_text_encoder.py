@@ -359,3 +359,19 @@ def test_knowledge_mode_is_checked_saved_and_loaded(tmp_path, taiyi_dir, store):
     # Without a store there is nothing to spell: every mode gives the prompt as it is.
     plain = KnowledgeTextEncoder.from_pretrained(taiyi_dir, max_length=24, knowledge_mode="text")
     assert plain.expand(["一个番茄"]) == ["一个番茄"]
+
+
+def test_a_negated_mention_gets_no_knowledge(taiyi_dir, store):
+    """ "画一个番茄，不是柠檬": 柠檬's tokens get no vectors and its facts are not spelled (they would draw
+    a yellow object); 番茄 is linked as before."""
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=32)
+    prompt = "画一个番茄，不是柠檬"
+    ids = encoder.tokenize([prompt, "画一个番茄，就是柠檬"])["token_entity_ids"]
+    tokens = encoder.tokenizer.convert_ids_to_tokens(encoder.tokenize([prompt])["input_ids"][0])
+    lemon = [i for i, t in enumerate(tokens) if t in ("柠", "檬")]
+    tomato = [i for i, t in enumerate(tokens) if t in ("番", "茄")]
+    assert len(lemon) == 2 and len(tomato) == 2
+    assert (ids[0, lemon] == -1).all() and (ids[0, tomato] >= 0).all()
+    assert (ids[1, lemon] >= 0).all()  # the same positions, not negated: linked
+    with encoder.knowledge_as("text"):
+        assert encoder.expand([prompt]) == ["画一个红色的圆形，番茄，不是柠檬"]
