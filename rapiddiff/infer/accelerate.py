@@ -63,7 +63,7 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-AUTOTUNE_MODES = ("off", "convs", "gemm", "all")
+AUTOTUNE_MODES = ("off", "convs", "gemm", "all", "pointwise")
 LOOPS = ("graph", "resident", "eager")
 # compile_regions: the U-Net's repeated blocks (diffusers' _repeated_blocks names only the first).
 REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
@@ -127,9 +127,11 @@ class AccelerateConfig:
     autotune: str = "off"
     """Inductor max-autotune for the compiled U-Net and VAE decoder, restricted to: "convs"
     (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS),
-    "all" (both), or "off". A per-compile config patch (:func:`autotune_options`), never Inductor's
-    CUDA-graph modes. In every mode Inductor lowers channels-last 1×1 convolutions as matrix
-    products (tuned under "gemm"/"all", ATen's under "convs")."""
+    "all" (both), "pointwise" (no templates: Inductor's coordinate-descent tuning of its own Triton
+    kernels' block sizes — the GroupNorm/SiLU/elementwise quarter of the GPU time), or "off". A
+    per-compile config patch (:func:`autotune_options`), never Inductor's CUDA-graph modes. In the
+    template modes Inductor lowers channels-last 1×1 convolutions as matrix products (tuned under
+    "gemm"/"all", ATen's under "convs")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float16", "bfloat16", "float32"):
@@ -184,6 +186,8 @@ def autotune_options(mode: str) -> dict[str, Any]:
         raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {mode!r}")
     if mode == "off":
         return {}
+    if mode == "pointwise":  # the fused norm/activation kernels' launch shapes, timed at compile
+        return {"coordinate_descent_tuning": True}
     convs = {"convs": "TRITON,ATEN", "gemm": "ATEN", "all": "ATEN,TRITON"}[mode]
     return {
         "max_autotune_gemm": True,
@@ -496,6 +500,7 @@ class GraphDenoiser:
                 "convs": "Triton convolution templates vs cuDNN; GEMMs on ATen",
                 "gemm": "Triton GEMM templates vs cuBLAS (1×1 convolutions included); k×k convolutions on cuDNN",
                 "all": "Triton convolution and GEMM templates vs cuDNN/cuBLAS",
+                "pointwise": "coordinate-descent tuning of Inductor's Triton norm/elementwise kernels",
             }[mode]
             if self.device.type != "cuda":  # Inductor's templates are Triton (GPU) kernels
                 what = f"no Triton templates on {self.device.type}: the same ATen kernels as off"

@@ -42,7 +42,9 @@ KW = {"num_inference_steps": 3, "guidance_scale": 5.0, "seed": 0, "output_type":
 
 # ---- the switches --------------------------------------------------------------------------------
 def test_bad_values_are_refused_naming_the_valid_ones():
-    with pytest.raises(ValueError, match="autotune must be one of off, convs, gemm, all; got 'conv'"):
+    with pytest.raises(
+        ValueError, match="autotune must be one of off, convs, gemm, all, pointwise; got 'conv'"
+    ):
         AccelerateConfig(autotune="conv")
     with pytest.raises(ValueError, match="cudnn_benchmark must be true or false; got 'yes'"):
         AccelerateConfig(cudnn_benchmark="yes")
@@ -59,7 +61,9 @@ def test_autotune_options_exist_in_this_inductor_and_tell_the_modes_apart():
     import torch._inductor.config as inductor_config
 
     assert autotune_options("off") == {}
-    options = {mode: autotune_options(mode) for mode in AUTOTUNE_MODES[1:]}
+    assert autotune_options("pointwise") == {"coordinate_descent_tuning": True}  # no templates
+    assert hasattr(inductor_config, "coordinate_descent_tuning")
+    options = {mode: autotune_options(mode) for mode in ("convs", "gemm", "all")}
     for mode, opts in options.items():
         assert all(hasattr(inductor_config, k) for k in opts), (mode, opts)
         assert opts["max_autotune_gemm"] is True and "max_autotune" not in opts  # no pointwise tuning
@@ -180,7 +184,7 @@ def test_compile_cache_file_names_the_switches(tmp_path):
         for a in AUTOTUNE_MODES
         for c in (False, True)
     }
-    assert len(files) == 8
+    assert len(files) == 2 * len(AUTOTUNE_MODES)
     assert compile_cache_file(path, AccelerateConfig(fp16_accumulate=True)) == str(
         tmp_path / "cache.fp16-accumulate.bin"
     )
