@@ -527,6 +527,9 @@ def assemble_builtin_model(
     files += [f for f in (data / "prompts_attribute.jsonl",) if f.exists()]
     texts = [json.loads(line)["text"] for file in files for line in file.open(encoding="utf-8")]
     print(f"[chain] vocabulary: {prune_vocabulary(bundle.text_encoder, texts)}", flush=True)
+    # kshapes text is simplified Chinese: the pruned vocabulary would read a traditional character as
+    # [UNK], so the folder converts prompts first (the traditional robust prompts: BENCHMARKS.md)
+    bundle.text_encoder.simplified_text = True
     # PNDM, or DDIM for a zero-terminal-SNR U-Net (PNDM cannot step from ᾱ_T = 0).
     sampler = default_sampler(bundle.scheduler.config, "pndm")
     if guidance is None:

@@ -86,6 +86,18 @@ def _build_table() -> dict[int, str]:
     return table
 
 
+@functools.cache
+def _simplified_table() -> dict[int, str]:
+    # Only the Chinese characters' entries: punctuation (，→ ,), widths and case stay as written.
+    return {k: v for k, v in normalization_table().items() if any(a <= k < b for a, b in _CJK_RANGES)}
+
+
+def to_simplified(text: str) -> str:
+    """``text`` with traditional Chinese characters as simplified ones (OpenCC ``t2s`` per character,
+    so the length and every offset stay); nothing else changes."""
+    return text.translate(_simplified_table())
+
+
 Offsets = tuple[list[int], list[int]]
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from rapiddiff.kg.linker import is_negated
+from rapiddiff.kg.normalize import to_simplified
 from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
@@ -153,6 +154,10 @@ class KnowledgeTextEncoder(nn.Module):
             or "both"; used while ``knowledge`` is on.
         expansion_relations: relations whose facts "text"/"both" spell, in order; default
             :data:`rapiddiff.models.expansion.DEFAULT_RELATIONS` where the store has them.
+        simplified_text: ``tokenize`` writes traditional characters as simplified ones first
+            (:func:`rapiddiff.kg.normalize.to_simplified`, one character for one): for a tower that
+            only ever read simplified text — the built-in model, whose pruned vocabulary reads a
+            traditional character as [UNK]. The linker already matches either form.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class KnowledgeTextEncoder(nn.Module):
         mask_relations: Sequence[str] | None = None,
         knowledge_mode: str = "embed",
         expansion_relations: Sequence[str] | None = None,
+        simplified_text: bool = False,
     ) -> None:
         super().__init__()
         self.text_model = text_model
@@ -202,6 +208,7 @@ class KnowledgeTextEncoder(nn.Module):
         self.relation_items = relation_items
         self.relation_weights = relation_weights
         self.mask_entity_mentions = mask_entity_mentions
+        self.simplified_text = bool(simplified_text)
         self._mask_relations = list(mask_relations) if mask_relations is not None else None
         self._maskable: torch.Tensor | None = None  # [n_entities] bool from mask_relations and the store
         self.knowledge = True
@@ -371,6 +378,8 @@ class KnowledgeTextEncoder(nn.Module):
     def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Prompts → input_ids, attention_mask [B, max_length] and token_entity_ids (-1 = none)."""
         prompts = self.expand(prompts)  # unchanged unless knowledge_mode is "text" or "both"
+        if self.simplified_text:
+            prompts = [to_simplified(p) for p in prompts]
         fast = bool(getattr(self.tokenizer, "is_fast", False))
         enc = self.tokenizer(
             prompts,
@@ -463,6 +472,7 @@ class KnowledgeTextEncoder(nn.Module):
             "mask_relations": self.mask_relations,
             "knowledge_mode": self.knowledge_mode,
             "expansion_relations": self.expansion_relations,
+            "simplified_text": self.simplified_text,
         }
 
     def save_pretrained(self, model_dir: str | Path) -> None:

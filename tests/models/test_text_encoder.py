@@ -375,3 +375,18 @@ def test_a_negated_mention_gets_no_knowledge(taiyi_dir, store):
     assert (ids[1, lemon] >= 0).all()  # the same positions, not negated: linked
     with encoder.knowledge_as("text"):
         assert encoder.expand([prompt]) == ["画一个红色的圆形，番茄，不是柠檬"]
+
+
+def test_simplified_text_reads_traditional_prompts_as_simplified(tmp_path, taiyi_dir, store):
+    simple, traditional = "浅蓝色背景上有一个番茄，画面中间", "淺藍色背景上有一個番茄，畫面中間"
+    plain = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=32)
+    ids = plain.tokenize([simple, traditional])["input_ids"]
+    assert not torch.equal(ids[0], ids[1])  # off (the default): the characters as written
+    plain.simplified_text = True
+    plain.save_pretrained(tmp_path / "m")
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m", max_length=32)
+    assert loaded.simplified_text
+    batch = loaded.tokenize([simple, traditional])
+    for key in ("input_ids", "attention_mask", "token_entity_ids"):
+        assert torch.equal(batch[key][0], batch[key][1]), key
+    assert "，" in loaded.tokenizer.decode(batch["input_ids"][0])  # punctuation stays full-width
