@@ -324,8 +324,7 @@ class Chain:
                 )
         if jobs:
             self.run_parallel(jobs)
-        self.choose_guidance()
-        self.assemble_builtin()
+        self.assemble_builtin()  # both choose the guidance first (once: results/guidance.json)
         self.evaluate()
 
     def choose_guidance(self) -> float | None:

@@ -379,7 +379,7 @@ class _Annotations:
         self.spans: list[list[tuple[int, int, int]]] | None = spans  # from `rapiddiff data prepare`
         self.tokens: dict[str, torch.Tensor] | None = None
         if linker is not None:
-            self.spans = [[(s.start, s.end, s.entity_id) for s in linker.link(t)] for t in texts]
+            self.spans = [[(s.start, s.end, s.entity_id) for s in linker.link_affirmed(t)] for t in texts]
         if tokenizer is not None:
             self.tokens = tokenize_with_entities(texts, tokenizer, self.spans, max_length=max_length)
 

@@ -700,7 +700,8 @@ class EntitySpan:
 
 
 # Words saying that the mention after them is NOT in the picture: 画一个番茄，不是苹果 / 而不是 / 并非 /
-# 没有 / 不要. Knowledge readers skip such mentions (is_negated): injecting 苹果's facts would draw them.
+# 没有 / 不要. Knowledge readers link with EntityLinker.link_affirmed, which skips such mentions:
+# injecting 苹果's facts would draw them.
 NEGATION_CUES: tuple[str, ...] = ("不是", "并非", "而非", "没有", "不要", "不含")
 _NEGATED = re.compile("(?:" + "|".join(NEGATION_CUES) + r")[^，,。.；;：:！!？?、\s]{0,2}$")
 
@@ -859,6 +860,11 @@ class EntityLinker:
             spans.append(EntitySpan(start, end, entity_id, text[start:end]))
         spans.sort(key=lambda span: span.start)
         return spans
+
+    def link_affirmed(self, text: str) -> list[EntitySpan]:
+        """:meth:`link` without the mentions ``text`` negates (:func:`is_negated`): the spans that get
+        knowledge, in training data and at inference alike."""
+        return [span for span in self.link(text) if not is_negated(text, span)]
 
     def __len__(self) -> int:
         return self._forms

@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rapiddiff.kg.linker import is_negated
-
 KNOWLEDGE_MODES: tuple[str, ...] = ("embed", "text", "both")
 """embed: TransE vectors fused into the text tower; text: facts spelled into the prompt; both."""
 
@@ -81,8 +79,8 @@ class PromptExpander:
     def expand(self, text: str) -> str:
         """``text`` with "<facts>，" written before every linked mention that has facts."""
         pieces, last = [], 0
-        for span in sorted(self.linker.link(text), key=lambda s: s.start):
-            words = "" if is_negated(text, span) else self.description(span.entity_id)
+        for span in self.linker.link_affirmed(text):  # sorted by start
+            words = self.description(span.entity_id)
             if not words:
                 continue
             pieces += [text[last : span.start], words, "，"]

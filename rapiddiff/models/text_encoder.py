@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from rapiddiff.kg.linker import is_negated
 from rapiddiff.kg.normalize import to_simplified
 from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
@@ -208,7 +207,11 @@ class KnowledgeTextEncoder(nn.Module):
         self.relation_items = relation_items
         self.relation_weights = relation_weights
         self.mask_entity_mentions = mask_entity_mentions
-        self.simplified_text = bool(simplified_text)
+        if not isinstance(simplified_text, bool):  # a hand-edited rapiddiff_encoder.json
+            raise ValueError(
+                f"simplified_text must be true or false (the {SETTINGS_FILE} key), got {simplified_text!r}"
+            )
+        self.simplified_text = simplified_text
         self._mask_relations = list(mask_relations) if mask_relations is not None else None
         self._maskable: torch.Tensor | None = None  # [n_entities] bool from mask_relations and the store
         self.knowledge = True
@@ -394,9 +397,7 @@ class KnowledgeTextEncoder(nn.Module):
         if self.linker is not None and fast:
             offsets = enc["offset_mapping"]
             for b, text in enumerate(prompts):
-                for span in self.linker.link(text):
-                    if is_negated(text, span):  # "…，不是苹果": 苹果's facts are not to be drawn
-                        continue
+                for span in self.linker.link_affirmed(text):  # "…，不是苹果": no knowledge for 苹果
                     start, end = offsets[b, :, 0], offsets[b, :, 1]
                     # A token belongs to a span when their character ranges overlap; special and
                     # padding tokens have empty (0, 0) ranges and never do.

@@ -525,3 +525,9 @@ def test_is_negated(text: str, mention: str, negated: bool) -> None:
 
     start = text.index(mention)
     assert is_negated(text, EntitySpan(start, start + len(mention), 0, mention)) is negated
+
+
+def test_link_affirmed_drops_only_the_negated_mentions(linker: EntityLinker) -> None:
+    text = "画一个番茄，不是熊猫"
+    assert [s.surface for s in linker.link(text)] == ["番茄", "熊猫"]  # linking itself keeps both
+    assert [s.surface for s in linker.link_affirmed(text)] == ["番茄"]

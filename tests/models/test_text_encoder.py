@@ -390,3 +390,10 @@ def test_simplified_text_reads_traditional_prompts_as_simplified(tmp_path, taiyi
     for key in ("input_ids", "attention_mask", "token_entity_ids"):
         assert torch.equal(batch[key][0], batch[key][1]), key
     assert "，" in loaded.tokenizer.decode(batch["input_ids"][0])  # punctuation stays full-width
+
+
+def test_a_hand_edited_simplified_text_is_refused(taiyi_dir, store):
+    with pytest.raises(
+        ValueError, match=r"simplified_text must be true or false \(the rapiddiff_encoder.json key\)"
+    ):
+        KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, simplified_text="false")
