@@ -332,13 +332,16 @@ class RapidDiffusionPipeline:
         import torch
 
         prompts = list(prompts)
+        texts = prompts
+        if do_classifier_free_guidance:
+            texts = prompts + _per_prompt(negative, len(prompts), "negative_prompt")
         with torch.inference_mode():
-            cond = self.text_encoder.encode(prompts).to(device=self.device, dtype=self.dtype)  # (B, L, D)
-            if not do_classifier_free_guidance:
-                return cond, None
-            negatives = _per_prompt(negative, len(prompts), "negative_prompt")
-            uncond = self.text_encoder.encode(negatives).to(device=self.device, dtype=self.dtype)
-        return cond, uncond
+            # One pass for prompts and negatives (diffusers makes two): half the text tower's kernel
+            # launches, which is what an eager tower's time is at batch 1 (BENCHMARKS.md, issue 16).
+            states = self.text_encoder.encode(texts).to(device=self.device, dtype=self.dtype)  # (B or 2B, L, D)
+        if not do_classifier_free_guidance:
+            return states, None
+        return states[: len(prompts)], states[len(prompts) :]
 
     def prepare_latents(
         self,
