@@ -336,9 +336,8 @@ class RapidDiffusionPipeline:
         if do_classifier_free_guidance:
             texts = prompts + _per_prompt(negative, len(prompts), "negative_prompt")
         with torch.inference_mode():
-            # One pass for prompts and negatives (diffusers makes two): half the text tower's kernel
-            # launches, which is what an eager tower's time is at batch 1 (BENCHMARKS.md, issue 16).
-            states = self.text_encoder.encode(texts).to(device=self.device, dtype=self.dtype)  # (B or 2B, L, D)
+            # One pass for prompts and negatives (diffusers makes two): half the tower's kernel launches.
+            states = self.text_encoder.encode(texts).to(device=self.device, dtype=self.dtype)  # (2B, L, D)
         if not do_classifier_free_guidance:
             return states, None
         return states[: len(prompts)], states[len(prompts) :]
