@@ -84,11 +84,6 @@ class AccelerateConfig:
     """One matrix product for Q, K and V (self-attention) and for K, V (cross-attention)."""
     cross_kv_cache: bool = True
     """Compute the cross-attention K/V of every layer once per image (they depend only on the prompt)."""
-    cross_attention: str = "sdpa"
-    """How the cross-attention layers (queries against the prompt's 77 keys) attend: "sdpa", as
-    ``attention`` says for every layer; "matmul", two matrix products and a softmax written out
-    (:func:`~rapiddiff.infer.fast_attention.matmul_attention`), which torch.compile fuses — the SDPA
-    kernels pad 77 keys to their tile. Self-attention keeps ``attention``'s choice."""
     compile_unet: str | None = "default"
     """torch.compile mode for the U-Net (one of COMPILE_MODES), or None for eager."""
     compile_regions: bool = False
@@ -152,9 +147,6 @@ class AccelerateConfig:
             raise ValueError(f"loop must be one of {', '.join(LOOPS)}; got {self.loop!r}")
         if self.aoti not in fast_aoti.MODES:
             raise ValueError(f"aoti must be one of {', '.join(fast_aoti.MODES)}; got {self.aoti!r}")
-        if self.cross_attention not in fast_attention.CROSS_ATTENTION_CHOICES:
-            choices = ", ".join(fast_attention.CROSS_ATTENTION_CHOICES)
-            raise ValueError(f"cross_attention must be one of {choices}; got {self.cross_attention!r}")
         if self.autotune not in AUTOTUNE_MODES:
             raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {self.autotune!r}")
         if not isinstance(self.cudnn_benchmark, bool):
@@ -291,8 +283,6 @@ def compile_cache_file(path: str, config: AccelerateConfig) -> str:
     them in its name (``cache.bin`` → ``cache.autotune-convs.cudnn-benchmark.bin``), so a process never
     takes a cache written under other switches for its own (it would load, miss, and never be rewritten)."""
     tags = [f"autotune-{config.autotune}"] if config.autotune != "off" else []
-    if config.cross_attention != "sdpa":  # the saved backend table would otherwise keep SDPA's picks
-        tags.append(f"cross-{config.cross_attention}")
     if config.cudnn_benchmark:
         tags.append("cudnn-benchmark")
     if config.fp16_accumulate:  # not in Inductor's cache key: autotune's GEMM timings depend on it
@@ -556,9 +546,7 @@ class GraphDenoiser:
             )
         elif wanted in fast_attention.BACKENDS:
             default = wanted
-        needs_processor = (
-            wanted != "default" or cfg.cross_kv_cache or cfg.fuse_qkv or cfg.cross_attention != "sdpa"
-        )
+        needs_processor = wanted != "default" or cfg.cross_kv_cache or cfg.fuse_qkv
         if needs_processor:
             count = fast_attention.install(self.unet, self._backends, default)
             if "attention" not in self.report:
@@ -567,7 +555,6 @@ class GraphDenoiser:
         else:
             self._set("attention", "default")
         self._set("cross_kv_cache", "on" if cfg.cross_kv_cache else "off")
-        self._set("cross_attention", cfg.cross_attention)
         self._auto_attention = wanted == "auto" and self.device.type == "cuda"
 
     def _compile(self) -> None:
@@ -628,11 +615,9 @@ class GraphDenoiser:
         return fast_attention.cross_attention_kv(self.unet, context)
 
     def _ensure_backends(self, batch: int, h: int, w: int, context_len: int) -> None:
-        shapes = fast_attention.attention_shapes(self.unet, h, w, context_len)
-        if self.config.cross_attention == fast_attention.MATMUL:
-            self._backends.update(fast_attention.matmul_for_cross(shapes, context_len))
         if not self._auto_attention:
             return
+        shapes = fast_attention.attention_shapes(self.unet, h, w, context_len)
         missing = {s for s in shapes if (s[0], s[1], s[3]) not in self._backends}
         if missing:
             self._backends.update(
@@ -827,7 +812,6 @@ class GraphDenoiser:
                     "fuse_qkv": self.report.get("fuse_qkv", "off").startswith("on"),
                     "attention": attention,
                     "cross_kv_cache": cfg.cross_kv_cache,
-                    "cross_attention": cfg.cross_attention,
                     "fp8": self.report.get("fp8", "off").startswith("on"),
                     **tuning,
                 },

@@ -32,11 +32,6 @@ BACKENDS: dict[str, SDPBackend] = {
     "math": SDPBackend.MATH,
 }
 ATTENTION_CHOICES = ("auto", "default", *BACKENDS)
-# Not an SDPA backend: softmax(q kᵀ/√d) v as two matrix products and a softmax (matmul_attention),
-# which torch.compile turns into two cuBLAS calls and one fused Triton softmax. For the 77-key
-# cross-attention the SDPA kernels pad the keys to their tile and run far below bandwidth.
-MATMUL = "matmul"
-CROSS_ATTENTION_CHOICES = ("sdpa", MATMUL)
 
 ShapeKey = tuple[int, int, int]  # (query tokens, key tokens, head width)
 
@@ -98,9 +93,7 @@ class FastAttnProcessor:
             attention_mask = attn.prepare_attention_mask(attention_mask, key.shape[2], batch)
             attention_mask = attention_mask.view(batch, heads, -1, attention_mask.shape[-1])
         backend = self.backend_for((query.shape[2], key.shape[2], query.shape[3]))
-        if backend == MATMUL:
-            out = matmul_attention(query, key, value, attention_mask)
-        elif backend is None:
+        if backend is None:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
         else:
             with sdpa_kernel([BACKENDS[backend]]):
@@ -112,26 +105,6 @@ class FastAttnProcessor:
         if attn.residual_connection:
             out = out + residual
         return out / attn.rescale_output_factor
-
-
-def matmul_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(query, key, value, mask)`` written out: (B, heads, Lq, d) →
-    (B, heads, Lq, d). The scores are scaled and soft-maxed in float32 (as the SDPA kernels do); the
-    products run in the inputs' dtype. Written by hand, not SDPA's math backend, because that one
-    upcasts the inputs of both products to float32 for half-precision tensors."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * query.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores + mask
-    return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)
-
-
-def matmul_for_cross(shapes: Iterable[tuple[int, int, int, int]], context_len: int) -> dict[ShapeKey, str]:
-    """The backend table entries that send the cross-attention shapes (``context_len`` keys) of
-    :func:`attention_shapes` to :func:`matmul_attention`. A self-attention over exactly
-    ``context_len`` tokens would share the key and run the same mathematics."""
-    return {(q, k, d): MATMUL for q, k, _, d in shapes if k == context_len}
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:

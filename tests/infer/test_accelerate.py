@@ -21,12 +21,7 @@ from diffusers import (  # noqa: E402
 )
 
 from rapiddiff.infer.accelerate import AccelerateConfig, accelerate  # noqa: E402
-from rapiddiff.infer.fast_attention import (  # noqa: E402
-    FastAttnProcessor,
-    attention_shapes,
-    matmul_attention,
-    matmul_for_cross,
-)
+from rapiddiff.infer.fast_attention import FastAttnProcessor, attention_shapes  # noqa: E402
 from rapiddiff.infer.fast_cache import load_backend_table, save_backend_table  # noqa: E402
 from rapiddiff.infer.fast_fp8 import Fp8Linear  # noqa: E402
 from rapiddiff.infer.fast_loop import DenoiseLoop  # noqa: E402
@@ -220,30 +215,6 @@ def test_config_errors_name_the_choices():
         AccelerateConfig(attention="fa3")
     with pytest.raises(ValueError, match="graph, resident, eager"):
         AccelerateConfig(loop="async")
-    with pytest.raises(ValueError, match="sdpa, matmul"):
-        AccelerateConfig(cross_attention="flash")
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_matmul_attention_is_sdpa_written_out(masked):
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, n, 40, generator=g) for n in (50, 77, 77))
-    mask = torch.randn(2, 1, 50, 77, generator=g) if masked else None
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(matmul_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-4)
-
-
-def test_cross_attention_matmul_matches_eager(tiny_folder):
-    ref_latents, ref_images = _eager(tiny_folder)
-    pipe = _pipe(tiny_folder)
-    fast = accelerate(pipe, compile_unet=None, compile_vae=None, cross_attention="matmul")
-    out = fast(PROMPT, num_inference_steps=STEPS, seed=0, output_type="np")
-    assert float((out.latents - ref_latents).norm() / ref_latents.norm()) < 1e-4
-    assert _psnr(out.images, ref_images) >= 35
-    # The cross-attention shape (77 keys) goes to matmul; self-attention keeps SDPA.
-    backends = next(m.processor for m in _attention(pipe.unet)).backends
-    assert backends == {(16, 77, 8): "matmul"} == matmul_for_cross(attention_shapes(pipe.unet, 8, 8), 77)
-    assert fast.report["cross_attention"] == "matmul"
 
 
 def test_attention_shapes_follow_the_unet_levels(tiny_folder):

@@ -44,7 +44,6 @@ GPU_SWITCHES = {
     "cudnn_benchmark": {"dtype": "float16", "cudnn_benchmark": True, "loop": "graph"},
     "fp16_accumulate": {"dtype": "float16", "fp16_accumulate": True, "loop": "graph"},
     "autotune=convs": {"dtype": "float16", "autotune": "convs", **TUNED_COMPILE},
-    "cross_attention=matmul": {"dtype": "float16", "cross_attention": "matmul", **TUNED_COMPILE},
     "cudnn_benchmark+autotune=all": {
         "dtype": "float16",
         "cudnn_benchmark": True,
