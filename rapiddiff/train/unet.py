@@ -70,26 +70,14 @@ class DiffusionLoss:
     """Input perturbation (Ning et al. 2023; diffusers' train_text_to_image.py --input_perturbation,
     0.1 there): the noisy latents are made with noise + gamma * N(0, 1) while the target stays the
     noise, so the model learns to correct inputs a little off the training distribution, as its own
-    earlier steps leave them when sampling (exposure bias). 0: off."""
-    pixel_weight: float = 0.0
-    """Weight of a pixel term added to the latent loss: the denoiser's error seen through the frozen
-    VAE decoder at the training image, mean((D(z0 + d) - D(z0))^2) with d = sqrt(alpha_t) (x0_hat - z0),
-    for epsilon-prediction sigma_t (eps - eps_hat): it stays near the image (on the decoder's manifold)
-    at every t. Why: latent MSE weighs an error by its size in the latents, and a VAE can pack some
-    colours close there (the built-in VAE: orange-yellow 4.4 apart, blue-purple 7.9, while moving the
-    object 4 pixels is 9.2); the decoded pixels weigh it as the image does. 0: off."""
-    pixel_images: int = 16
-    """How many images of each batch get the pixel term (it costs two decoder passes and a backward)."""
+    earlier steps leave them when sampling (exposure bias). 0: off (kshapes, 3 seeds: 0.1 changed
+    nothing beyond the seeds' spread; BENCHMARKS.md, issue 18)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {self.caption_dropout}")
         if self.input_perturbation < 0:
             raise ValueError(f"input_perturbation must be >= 0, got {self.input_perturbation}")
-        if self.pixel_weight < 0 or self.pixel_images < 1:
-            raise ValueError(
-                f"pixel_weight must be >= 0 and pixel_images >= 1, got {self.pixel_weight}, {self.pixel_images}"
-            )
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             raise ValueError(f"snr_gamma must be > 0 (or null), got {self.snr_gamma}")
 
@@ -332,10 +320,7 @@ class LatentDiffusion(RapidModule):
         noisy = self.noise_scheduler.add_noise(latents, noised_with, timesteps)
         target = self.target(latents, noise, timesteps)
         prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
-        loss = self.diffusion_loss(prediction, target, timesteps)
-        if self.loss_cfg.pixel_weight:
-            loss = loss + self.loss_cfg.pixel_weight * self.pixel_loss(latents, prediction, target, timesteps)
-        return loss
+        return self.diffusion_loss(prediction, target, timesteps)
 
     # ------------------------------------------------------------------ the captured step
     @property
@@ -508,24 +493,6 @@ class LatentDiffusion(RapidModule):
             weights = snr.clamp(max=self.loss_cfg.snr_gamma) / (snr + 1)
         per_image = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return (per_image * weights).mean()
-
-    def pixel_loss(
-        self, latents: torch.Tensor, prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor
-    ) -> torch.Tensor:
-        """DiffusionLoss.pixel_weight's term on the first ``pixel_images`` images of the batch."""
-        n = min(self.loss_cfg.pixel_images, latents.shape[0])
-        alpha = self.noise_scheduler.alphas_cumprod.to(latents.device)[timesteps[:n]].float()
-        sigma = (1 - alpha).sqrt()
-        # sqrt(alpha) (x0_hat - z0) from the prediction's error, never dividing by a near-zero
-        # sqrt(alpha) at high noise. eps: x0_hat - z0 = -sigma/sqrt(alpha) (eps_hat - eps); v: -sigma (v_hat - v).
-        scale = sigma if self.prediction_type != "v_prediction" else alpha.sqrt() * sigma
-        error = (target[:n].float() - prediction[:n].float()) * scale.view(-1, 1, 1, 1)
-        z0 = latents[:n].float() / self.vae.config.scaling_factor
-        dtype = next(self.vae.parameters()).dtype
-        with torch.no_grad():
-            reference = self.vae.decode(z0.to(dtype)).sample
-        decoded = self.vae.decode((z0 + error / self.vae.config.scaling_factor).to(dtype)).sample
-        return F.mse_loss(decoded.float(), reference.float())
 
     # ------------------------------------------------------------------ EMA and checkpoints
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, *args: Any, **kwargs: Any) -> None:

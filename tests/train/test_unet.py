@@ -268,59 +268,6 @@ def test_knowledge_fusion_trains_with_the_unet_and_is_exported(data: Path, tmp_p
     assert bundle.text_encoder.store is not None and bundle.text_encoder.has_knowledge
 
 
-@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
-def test_pixel_term_is_the_decoded_x0_error(prediction_type: str) -> None:
-    from rapiddiff.train.unet import DiffusionLoss
-
-    loss_cfg = DiffusionLoss(prediction_type=prediction_type, pixel_weight=1.0, pixel_images=2)
-    module = unet_stage.LatentDiffusion(unet="tiny", vae="tiny", text_encoder="tiny", loss=loss_cfg, ema=None)
-    g = torch.Generator().manual_seed(0)
-    latents, noise = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
-    t = torch.tensor([20, 500, 990])
-    target = module.target(latents, noise, t)
-    # An exact prediction costs nothing in pixels.
-    assert module.pixel_loss(latents, target, target, t).item() == 0.0
-    # Otherwise: the decoded error of √ᾱ·x̂₀, x̂₀ from the scheduler's own formula, on the first 2 images.
-    prediction = (target + 0.3 * torch.randn(target.shape, generator=g)).requires_grad_()
-    loss = module.pixel_loss(latents, prediction, target, t)
-    noisy = module.noise_scheduler.add_noise(latents, noise, t)
-    alpha = module.noise_scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
-    if prediction_type == "epsilon":
-        x0 = (noisy - (1 - alpha).sqrt() * prediction) / alpha.sqrt()
-    else:
-        x0 = alpha.sqrt() * noisy - (1 - alpha).sqrt() * prediction
-    shifted = latents + alpha.sqrt() * (x0 - latents)
-    scale = module.vae.config.scaling_factor
-    decode = module.vae.decode
-    expected = torch.nn.functional.mse_loss(
-        decode(shifted[:2] / scale).sample, decode(latents[:2] / scale).sample
-    )
-    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
-    loss.backward()  # the gradient reaches the prediction through the frozen decoder
-    assert prediction.grad[:2].abs().sum() > 0 and prediction.grad[2].abs().sum() == 0
-    assert all(p.grad is None for p in module.vae.parameters())
-
-
-def test_pixel_weight_adds_to_the_training_loss(data: Path) -> None:
-    from rapiddiff.train.data import ImageTextData
-    from rapiddiff.train.unet import DiffusionLoss
-
-    dm = ImageTextData(str(data), image_size=16, batch_size=2, num_workers=0)
-    dm.setup("fit")
-    batch = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=2)))
-    losses = {}
-    for weight in (0.0, 1.0):
-        torch.manual_seed(0)
-        module = unet_stage.LatentDiffusion(
-            unet="tiny", vae="tiny", text_encoder="tiny", loss=DiffusionLoss(pixel_weight=weight), ema=None
-        )
-        torch.manual_seed(1)  # the same noise, timesteps and dropout
-        losses[weight] = module.training_step(batch, 0).item()
-    assert losses[1.0] > losses[0.0]
-    with pytest.raises(ValueError, match="pixel_weight must be >= 0"):
-        DiffusionLoss(pixel_weight=-1.0)
-
-
 def test_input_perturbation_moves_the_input_not_the_target() -> None:
     from rapiddiff.train.unet import DiffusionLoss
 
