@@ -312,10 +312,8 @@ class LatentDiffusion(RapidModule):
             0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
         )
         noised_with = noise
-        if self.loss_cfg.input_perturbation:
-            extra = torch.randn(
-                noise.shape, device=noise.device, dtype=noise.dtype
-            )  # by shape: see sample_noise
+        if self.loss_cfg.input_perturbation:  # by shape, not randn_like: see sample_noise
+            extra = torch.randn(noise.shape, device=noise.device, dtype=noise.dtype)
             noised_with = noise + self.loss_cfg.input_perturbation * extra
         noisy = self.noise_scheduler.add_noise(latents, noised_with, timesteps)
         target = self.target(latents, noise, timesteps)
