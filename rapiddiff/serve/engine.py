@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import inspect
 import math
 import os
@@ -217,7 +218,10 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
     if config.default_steps is not None:
         defaults["num_inference_steps"] = config.default_steps
     encoder = pipe.text_encoder
-    tokenizer = encoder.tokenizer
+    # A copy of its own: request checks run on the event loop while the worker thread encodes, and a
+    # fast tokenizer keeps padding and truncation as state on its Rust backend (set per call), so a
+    # shared one can hand the worker's batch unpadded rows ("Unable to create tensor").
+    tokenizer = copy.deepcopy(encoder.tokenizer)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, truncation=False, add_special_tokens=True)["input_ids"])

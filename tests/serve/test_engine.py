@@ -13,7 +13,7 @@ import pytest
 
 from rapiddiff.serve.app import create_app
 from rapiddiff.serve.config import ServeConfig, parse_devices
-from rapiddiff.serve.engine import Engine, batch_buckets, encode_png, load_pipeline, plan_calls
+from rapiddiff.serve.engine import Engine, batch_buckets, encode_png, load_pipeline, model_limits, plan_calls
 from rapiddiff.serve.metrics import quantile
 from rapiddiff.serve.schemas import ApiError, ImageRequest
 
@@ -450,3 +450,37 @@ def test_a_failing_encode_fails_only_its_request(builtin_pipe):
     assert isinstance(bad, ApiError) and bad.status == 500 and "injected encoder failure" in bad.message
     assert good[0].seed == 0 and other[0].seed == 2
     assert good[0].png.startswith(b"\x89PNG") and other[0].png.startswith(b"\x89PNG")
+
+
+def test_request_checks_do_not_unpad_the_workers_batch(builtin_pipe):
+    """Request checks count tokens on the event loop while the worker encodes a batch. A fast
+    tokenizer sets padding on its shared backend per call, so with one tokenizer between them the
+    worker's rows came back unpadded now and then (CI: "Unable to create tensor"). A tiny GIL switch
+    interval makes the interleaving happen within a few hundred calls."""
+    import sys
+
+    limits = model_limits(builtin_pipe, quick())
+    prompts = ["一个红色的番茄", "绿色背景上有一个很大很大的番茄和一根香蕉"]
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def worker() -> None:
+        try:
+            for _ in range(1500):
+                builtin_pipe.text_encoder.tokenize(prompts)
+        except BaseException as err:  # handed to the test thread
+            errors.append(err)
+        finally:
+            done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        while not done.is_set():
+            limits.count_tokens("一个红色的番茄很长很长")
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
