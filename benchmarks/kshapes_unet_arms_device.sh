@@ -29,11 +29,6 @@ if [ "$part" != eval ]; then
   # the same encoders without knowledge: an arm with --model.text_encoder=/tmp/ka/encoders_nokg
   # --model.trainable=[unet] trains a U-Net on the base tower's states alone (no fused vectors)
   cp -r $work/encoders $work/encoders_nokg && rm -rf $work/encoders_nokg/knowledge
-  # knowledge vectors for the objects the KG describes only (inject_relations [颜色, 形状]): the
-  # attribute words 红色, 三角形 read as plain words — an arm with --model.text_encoder=/tmp/ka/encoders_objects
-  cp -r $work/encoders $work/encoders_objects
-  python -c "import json, sys; p = sys.argv[1]; d = json.load(open(p)); d['inject_relations'] = ['颜色', '形状']; json.dump(d, open(p, 'w'), indent=2, ensure_ascii=False)" \
-    $work/encoders_objects/text_encoder/rapiddiff_encoder.json
   # and both with the tower in fp32 (the shipped folder is fp16): for arms that train it
   # (--model.trainable=[...,text_encoder] with --model.text_encoder=/tmp/ka/encoders32 or encoders_nokg32)
   for e in encoders encoders_nokg; do

@@ -149,10 +149,6 @@ class KnowledgeTextEncoder(nn.Module):
         mask_relations: with ``mask_entity_mentions``, mask only mentions of entities that head a
             fact of one of these relations (the CLIP stage's ``entity_token_dropout_relations``);
             None masks every linked mention.
-        inject_relations: knowledge vectors only for mentions of entities that head a fact of one
-            of these relations — for [颜色, 形状] the objects the KG describes, not the attribute
-            words 红色, 三角形, which the tower then reads as plain words (their TransE vectors sit
-            close together: orange and yellow tokens grow alike when fused). None: every linked mention.
         knowledge_mode: "embed" (fused TransE vectors), "text" (facts spelled into the prompt)
             or "both"; used while ``knowledge`` is on.
         expansion_relations: relations whose facts "text"/"both" spell, in order; default
@@ -181,7 +177,6 @@ class KnowledgeTextEncoder(nn.Module):
         fusion: KnowledgeFusion | None = None,
         mask_entity_mentions: bool = False,
         mask_relations: Sequence[str] | None = None,
-        inject_relations: Sequence[str] | None = None,
         knowledge_mode: str = "embed",
         expansion_relations: Sequence[str] | None = None,
         simplified_text: bool = False,
@@ -219,8 +214,6 @@ class KnowledgeTextEncoder(nn.Module):
         self.simplified_text = simplified_text
         self._mask_relations = list(mask_relations) if mask_relations is not None else None
         self._maskable: torch.Tensor | None = None  # [n_entities] bool from mask_relations and the store
-        self._inject_relations = list(inject_relations) if inject_relations is not None else None
-        self._injectable: torch.Tensor | None = None  # the same from inject_relations
         self.knowledge = True
         self.knowledge_mode = knowledge_mode
         self.expansion_relations = list(expansion_relations) if expansion_relations is not None else None
@@ -267,7 +260,7 @@ class KnowledgeTextEncoder(nn.Module):
 
             linker = EntityLinker.from_store(store)
         self.store, self.linker, self.fusion = store, linker, fusion
-        self._maskable = self._injectable = None  # recomputed for this store on first use
+        self._maskable = None  # recomputed for this store when masking first needs it
         self.expander = PromptExpander(store, linker, self.expansion_relations)
         if not getattr(self.tokenizer, "is_fast", False):
             log.warning(
@@ -306,23 +299,6 @@ class KnowledgeTextEncoder(nn.Module):
         if self._maskable is None:
             self._maskable = entities_with_facts(self.store, self._mask_relations, "mask_relations")
         return self._maskable
-
-    @property
-    def inject_relations(self) -> list[str] | None:
-        return self._inject_relations
-
-    @inject_relations.setter
-    def inject_relations(self, relations: Sequence[str] | None) -> None:
-        self._injectable = entities_with_facts(self.store, relations, "inject_relations")  # checks the names
-        self._inject_relations = list(relations) if relations is not None else None
-
-    def _injectable_entities(self) -> torch.Tensor | None:
-        """[n_entities] bool: the entities whose mentions get knowledge vectors (None: every linked one)."""
-        if self._inject_relations is None or self.store is None:
-            return None
-        if self._injectable is None:
-            self._injectable = entities_with_facts(self.store, self._inject_relations, "inject_relations")
-        return self._injectable
 
     @property
     def knowledge_mode(self) -> str:
@@ -427,9 +403,6 @@ class KnowledgeTextEncoder(nn.Module):
                     # padding tokens have empty (0, 0) ranges and never do.
                     inside = (end > start) & (start < span.end) & (end > span.start)
                     ids[b, inside] = span.entity_id
-            injectable = self._injectable_entities()
-            if injectable is not None:
-                ids = ids.masked_fill((ids >= 0) & ~injectable[ids.clamp(min=0)], -1)
         input_ids = enc["input_ids"]
         if self.mask_entity_mentions and self.has_knowledge:
             masked = ids >= 0
@@ -498,7 +471,6 @@ class KnowledgeTextEncoder(nn.Module):
             "use_attention_mask": self.use_attention_mask,
             "mask_entity_mentions": self.mask_entity_mentions,
             "mask_relations": self.mask_relations,
-            "inject_relations": self.inject_relations,
             "knowledge_mode": self.knowledge_mode,
             "expansion_relations": self.expansion_relations,
             "simplified_text": self.simplified_text,

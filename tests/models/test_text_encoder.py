@@ -243,37 +243,6 @@ def test_mask_relations_mask_only_the_objects_the_kg_describes(tmp_path, taiyi_d
         encoder.mask_relations = ["材质"]
 
 
-def test_inject_relations_fuse_vectors_only_into_the_objects_the_kg_describes(tmp_path, taiyi_dir, store):
-    """inject_relations=[颜色]: 番茄 gets its vectors, 红色 (the tail of its fact) is read as a word —
-    a prompt of attribute words alone encodes as with knowledge off, even with open gates; saved
-    and loaded; an unknown relation is named."""
-    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24)
-    with torch.no_grad():
-        encoder.fusion.gates.fill_(1.0)
-    attributes_only = encoder.tokenize(["一个红色的圆形"])
-    with torch.no_grad():
-        fused_everywhere = encoder(**attributes_only)
-    encoder.inject_relations = ["颜色"]
-    batch = encoder.tokenize(["一个红色的番茄", "一个红色的圆形"])
-    ids = batch["token_entity_ids"]
-    assert (ids[0] == store.id_of("番茄")).sum() == 2
-    assert not (ids == store.id_of("红色")).any() and not (ids[1] >= 0).any()
-    with torch.no_grad():
-        fused = encoder(**encoder.tokenize(["一个红色的圆形"]))
-        encoder.knowledge = False
-        plain = encoder(**encoder.tokenize(["一个红色的圆形"]))
-    assert torch.equal(fused, plain) and not torch.allclose(fused_everywhere, plain)
-    encoder.knowledge = True
-    encoder.save_pretrained(tmp_path / "m")
-    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m")
-    assert loaded.inject_relations == ["颜色"]
-    assert torch.equal(loaded.tokenize(["一个红色的番茄"])["token_entity_ids"], ids[:1])
-    encoder.inject_relations = None  # every linked mention again
-    assert (encoder.tokenize(["一个红色的圆形"])["token_entity_ids"] >= 0).any()
-    with pytest.raises(ValueError, match=r"inject_relations: \['材质'\] not in the store's relations"):
-        encoder.inject_relations = ["材质"]
-
-
 def test_a_saved_mask_scope_loads_with_another_store_while_masking_is_off(tmp_path, taiyi_dir, store):
     """A folder saved with mask_relations its new store lacks still loads and encodes with masking
     off (the scope is built on first use); asked to mask, it names the setting."""
