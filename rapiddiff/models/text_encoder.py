@@ -23,7 +23,9 @@ Folder layout written by :meth:`KnowledgeTextEncoder.save_pretrained` (the diffu
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -527,6 +529,7 @@ class KnowledgeTextEncoder(nn.Module):
         saved: dict[str, Any] = {}
         if (text_dir / SETTINGS_FILE).is_file():
             saved = json.loads((text_dir / SETTINGS_FILE).read_text(encoding="utf-8"))
+            _check_settings(saved, text_dir / SETTINGS_FILE)
         settings = {**saved, **overrides}
         fusion = None
         kdir = model_dir / "knowledge"
@@ -566,6 +569,20 @@ class KnowledgeTextEncoder(nn.Module):
         encoder = cls(model.text_model, load_tokenizer(path), store, **kwargs)
         encoder.knowledge = knowledge
         return encoder
+
+
+def _check_settings(saved: dict[str, Any], path: Path) -> None:
+    """A key the constructor does not take (a typo, or a setting from another rapiddiff version) is
+    named with the valid ones, instead of surfacing as an unexpected-keyword TypeError."""
+    not_settings = {"self", "text_model", "tokenizer", "store", "linker", "fusion"}
+    valid = [k for k in inspect.signature(KnowledgeTextEncoder.__init__).parameters if k not in not_settings]
+    unknown = [k for k in saved if k not in valid]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{path}: unknown key {unknown[0]!r}{hint}; this rapiddiff reads {', '.join(sorted(valid))}"
+        )
 
 
 def _model_type(config_path: Path) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -397,3 +398,20 @@ def test_a_hand_edited_simplified_text_is_refused(taiyi_dir, store):
         ValueError, match=r"simplified_text must be true or false \(the rapiddiff_encoder.json key\)"
     ):
         KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, simplified_text="false")
+
+
+def test_an_unknown_saved_setting_is_named_with_the_valid_ones(tmp_path, taiyi_dir, store):
+    """A typo in rapiddiff_encoder.json (or a key another rapiddiff version wrote) names the file, the
+    key, the likely meant one and what this version reads — not an unexpected-keyword TypeError."""
+    KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24).save_pretrained(
+        tmp_path / "m"
+    )
+    settings = tmp_path / "m" / "text_encoder" / "rapiddiff_encoder.json"
+    saved = json.loads(settings.read_text(encoding="utf-8"))
+    saved["knowledge_mod"] = saved.pop("knowledge_mode")
+    settings.write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(
+        ValueError,
+        match=r"rapiddiff_encoder.json: unknown key 'knowledge_mod' \(did you mean 'knowledge_mode'\?\); this rapiddiff reads .*simplified_text",
+    ):
+        KnowledgeTextEncoder.from_pretrained(tmp_path / "m")
