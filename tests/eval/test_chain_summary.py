@@ -133,13 +133,17 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
     assert "knowledge_attribute_unet-on" not in jobs
 
 
-def test_the_guidance_is_chosen_on_validation_and_used_by_every_evaluation(chain, tmp_path, monkeypatch):
+def test_the_guidance_is_chosen_on_validation_and_attribute_captions_and_used_by_every_evaluation(
+    chain, tmp_path, monkeypatch
+):
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
     assert cfg.guidance_candidates, "the chain config sweeps the guidance"
     cfg.guidance_candidates = [2.0, 3.0, 5.0]
     run = chain.Chain(tmp_path, cfg, smoke=True)
-    # validation both % per scale and mode: 3.0 wins in mode "both", 5.0 would win on "on" alone
+    # validation both % per scale and mode: 3.0 wins in mode "both", 5.0 would win on "on" alone;
+    # with the attribute captions' all-four % averaged in, 2.0 wins: (50 + 90) / 2 against (70 + 60) / 2
     val = {2.0: (20.0, 50.0), 3.0: (40.0, 70.0), 5.0: (60.0, 55.0)}
+    attribute = {2.0: 90.0, 3.0: 60.0, 5.0: 40.0}
     swept: list[str] = []
     jobs: dict[str, list[str]] = {}
 
@@ -149,23 +153,30 @@ def test_the_guidance_is_chosen_on_validation_and_used_by_every_evaluation(chain
                 jobs[name] = cmd
                 continue
             swept.append(name)
-            assert cmd[cmd.index("--splits") + 1] == "val" and cmd[cmd.index("--modes") + 1] == "on,both"
+            assert (
+                cmd[cmd.index("--splits") + 1] == "val,attribute"
+                and cmd[cmd.index("--modes") + 1] == "on,both"
+            )
             g = float(cmd[cmd.index("--guidance") + 1])
             metrics = Path(cmd[cmd.index("--out") + 1]) / "metrics"
             metrics.mkdir(parents=True)
             table = [_row("val", "on", val[g][0]), _row("val", "both", val[g][1]), _row("val", "off", 99.0)]
+            table += [
+                _row("attribute", "on", 0.0, all=attribute[g]),
+                _row("attribute", "both", 0.0, all=99.0),
+            ]
             (metrics / "knowledge.json").write_text(json.dumps({"table": table}), "utf-8")
 
     monkeypatch.setattr(run, "run_parallel", fake_parallel)
     run.evaluate()
     assert sorted(swept) == ["guidance_2", "guidance_3", "guidance_5"]
-    assert all(cmd[cmd.index("--guidance") + 1] == "3.0" for cmd in jobs.values())  # every evaluation
+    assert all(cmd[cmd.index("--guidance") + 1] == "2.0" for cmd in jobs.values())  # every evaluation
     recorded = json.loads((tmp_path / "results" / "guidance.json").read_text("utf-8"))
-    assert recorded == {"scores": {"2": 50.0, "3": 70.0, "5": 60.0}, "chosen": 3.0}
+    assert recorded == {"scores": {"2": 70.0, "3": 65.0, "5": 50.0}, "chosen": 2.0}
     swept.clear()
-    assert run.choose_guidance() == 3.0 and not swept  # recorded: a resumed chain does not sweep again
+    assert run.choose_guidance() == 2.0 and not swept  # recorded: a resumed chain does not sweep again
     measures = chain.seed_measures(tmp_path)
-    assert measures["guidance | chosen on validation"] == 3.0
-    assert measures["guidance | 5 | validation both % (better mode)"] == 60.0
+    assert measures["guidance | chosen"] == 2.0
+    assert measures["guidance | 5 | selection score"] == 50.0
     # ties go to the lower scale (the off mode, 99 % above, never counted)
     assert chain.pick_guidance({4.0: 70.0, 3.0: 70.0, 5.0: 10.0}) == 3.0
