@@ -7,15 +7,19 @@
 #   bash benchmarks/kshapes_unet_arms_device.sh all OUT             # both in one call (arms only)
 # ARMS: "name:override override;name:..." (default: eps = the shipped recipe, zsnr = zero terminal
 # SNR + v-prediction); STEPS (default 10000, the cosine schedule's length); SEED (0, the shipped
-# model's data seed). The shipped text encoder samples in knowledge mode "both" but its U-Net trained
-# on the fused vectors alone ("embed"): the arms train that way too (a copy of the folder set to
-# "embed"), and the evaluation asks for embed, both and off explicitly. SHIPPED=0 (eval) or 1 (all):
-# evaluate the arms alone, or beside the model in the tree. WHEELS: the wheel folder (an eval call
+# model's data seed); ENCODERS (default the shipped folder): the model folder whose encoders the arms
+# train on — the shipped model of 2026-11-24 16:00 UTC came from the folder of commit 54a3692
+# (`git archive 54a3692 rapiddiff/assets/model | tar x -C DIR`, then ENCODERS=DIR/rapiddiff/assets/model
+# SEED=1 STEPS=5000 ARMS="eps:"), its U-Net's second round. The shipped text encoder samples in
+# knowledge mode "both" but its U-Net trained on the fused vectors alone ("embed"): the arms train
+# that way too (a copy of the folder set to "embed"), and the evaluation asks for embed, both and off
+# explicitly. SHIPPED=0 (eval) or 1 (all): evaluate the arms alone, or beside the model in the tree. WHEELS: the wheel folder (an eval call
 # with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
 set -u
 part=$1; out=$2; work=/tmp/ka; seed=${SEED:-0}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/model
+encoders=${ENCODERS:-$shipped}
 arms=${ARMS:-"eps:;zsnr:--model.loss.prediction_type=v_prediction --model.loss.zero_terminal_snr=true"}
 source benchmarks/device/install_wheels.sh || exit 1
 # Logs go to $logs and leave as one archive: the device tool returns at most 8 files, and the two
@@ -24,7 +28,7 @@ rm -rf $work  # a warm machine keeps the last call's folder
 logs=$work/logs; mkdir -p "$out" $logs
 python -m rapiddiff data kshapes --out $work/data --seed "$seed" --workers 16 > $logs/data_"$part".log 2>&1 || { tail -20 $logs/data_"$part".log; exit 1; }
 if [ "$part" != eval ]; then
-  cp -r $shipped $work/encoders
+  cp -r "$encoders" $work/encoders
   sed -i 's/"knowledge_mode": "both"/"knowledge_mode": "embed"/' $work/encoders/text_encoder/rapiddiff_encoder.json
   # the same encoders without knowledge: an arm with --model.text_encoder=/tmp/ka/encoders_nokg
   # --model.trainable=[unet] trains a U-Net on the base tower's states alone (no fused vectors)
