@@ -13,8 +13,8 @@
 # SEED=1 STEPS=5000 ARMS="eps:"), its U-Net's second round. The shipped text encoder samples in
 # knowledge mode "both" but its U-Net trained on the fused vectors alone ("embed"): the arms train
 # that way too (a copy of the folder set to "embed"), and the evaluation asks for embed, both and off
-# explicitly. SHIPPED=0 (eval) or 1 (all): evaluate the arms alone, or beside the model in the tree. WHEELS: the wheel folder (an eval call
-# with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
+# explicitly. SHIPPED=0 (eval) or 1 (all): evaluate the arms alone, or beside the model in the tree.
+# WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
 set -u
