@@ -180,3 +180,51 @@ def test_the_guidance_is_chosen_on_validation_and_attribute_captions_and_used_by
     assert measures["guidance | 5 | selection score"] == 50.0
     # ties go to the lower scale (the off mode, 99 % above, never counted)
     assert chain.pick_guidance({4.0: 70.0, 3.0: 70.0, 5.0: 10.0}) == 3.0
+
+
+def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_evaluated(
+    chain, tmp_path, monkeypatch
+):
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    cfg.guidance_candidates = []
+    cfg.unet_rounds, cfg.train_off = 2, True
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prompts.jsonl").write_text("", "utf-8")  # the data exists
+    batches: list[dict[str, list[str]]] = []
+
+    def fake_parallel(batch):
+        batches.append(batch)
+        for name in batch:
+            if name.startswith("unet_"):  # a trained folder is one that holds something
+                (tmp_path / name).mkdir()
+                (tmp_path / name / "model_index.json").write_text("{}", "utf-8")
+
+    monkeypatch.setattr(run, "run_parallel", fake_parallel)
+    monkeypatch.setattr(run, "assemble_builtin", lambda: None)
+    run.unet_and_eval()
+
+    def arg(cmd, flag):
+        return next(a.split("=", 1)[1] for a in cmd if a.startswith(flag + "="))
+
+    # round one (knowledge on and off side by side), then round two alone, on round one's encoders
+    assert [sorted(b) for b in batches[:2]] == [["unet_off", "unet_on"], ["unet_on_r2"]]
+    assert arg(batches[0]["unet_on"], "--model.text_encoder") == str(tmp_path / "clip_on")
+    second = batches[1]["unet_on_r2"]
+    assert arg(second, "--model.text_encoder") == str(tmp_path / "unet_on")
+    assert (
+        arg(second, "--output") == str(tmp_path / "unet_on_r2") and "--model.trainable=[unet]" not in second
+    )
+    evaluated = {name: cmd[cmd.index("--model") + 1] for name, cmd in batches[2].items()}
+    assert (
+        evaluated["knowledge_unet-on"]
+        == evaluated["knowledge_attribute_unet-on"]
+        == str(tmp_path / "unet_on_r2")
+    )
+    assert evaluated["knowledge_unet-off"] == str(tmp_path / "unet_off")
+    batches.clear()
+    run.unet_and_eval()  # resumed: every round is done, nothing trains again
+    assert not any(name.startswith("unet_") for b in batches for name in b)
+    cfg.unet_rounds = 3
+    with pytest.raises(SystemExit, match="unet_rounds: 1 or 2"):
+        chain.Chain(tmp_path / "x", cfg, smoke=True)
