@@ -23,7 +23,6 @@ Folder layout written by :meth:`KnowledgeTextEncoder.save_pretrained` (the diffu
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import json
@@ -37,6 +36,7 @@ from torch import nn
 from rapiddiff.kg.normalize import to_simplified
 from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
+from rapiddiff.utils.config import ConfigError, did_you_mean
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -578,10 +578,9 @@ def _check_settings(saved: dict[str, Any], path: Path) -> None:
     valid = [k for k in inspect.signature(KnowledgeTextEncoder.__init__).parameters if k not in not_settings]
     unknown = [k for k in saved if k not in valid]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(
-            f"{path}: unknown key {unknown[0]!r}{hint}; this rapiddiff reads {', '.join(sorted(valid))}"
+        raise ConfigError(
+            f"{path}: unknown key {unknown[0]!r}{did_you_mean(unknown[0], valid)}; "
+            f"this rapiddiff reads {', '.join(sorted(valid))}"
         )
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -75,6 +76,12 @@ def save_config(cfg: Any, path: str | Path) -> None:
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), allow_unicode=True, sort_keys=False))
 
 
+def did_you_mean(key: str, valid: Iterable[str]) -> str:
+    """The hint " (did you mean 'x'?)" for the valid key closest to a mistyped one; "" if none is close."""
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
@@ -82,10 +89,9 @@ def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(key, fields, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(
-            f"{where}: unknown key '{key}'{hint}. Valid keys for {cls.__name__}: {', '.join(sorted(fields))}"
+            f"{where}: unknown key '{key}'{did_you_mean(key, fields)}. Valid keys for {cls.__name__}: "
+            f"{', '.join(sorted(fields))}"
         )
     hints = get_type_hints(cls)
     kwargs = {}
