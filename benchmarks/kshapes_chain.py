@@ -121,7 +121,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="working folder (resumable)")
     parser.add_argument("--config", type=Path, default=ROOT / "configs/kshapes/chain.yaml")
-    parser.add_argument("--part", choices=["all", "prep", "unet"], default="all")
+    parser.add_argument(
+        "--part",
+        choices=["all", "prep", "unet", "pack"],
+        default="all",
+        help="pack: no training, only --pack of what exists (between two U-Net rounds: the packed "
+        "unet_on is round one's encoders, what round two trains on)",
+    )
+    parser.add_argument(
+        "--unet-rounds", type=int, choices=[1, 2], help="the config's unet_rounds, overridden"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny data, a few steps a stage, CPU")
     parser.add_argument("--seed", type=int, help="the seed of every stage (default: the config's)")
     parser.add_argument(
@@ -149,7 +158,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.seeds:
         return run_seeds(args)
-    overrides = {k: v for k, v in (("seed", args.seed), ("workers", args.workers)) if v is not None}
+    given = (("seed", args.seed), ("workers", args.workers), ("unet_rounds", args.unet_rounds))
+    overrides = {k: v for k, v in given if v is not None}
     cfg = load_config(ChainConfig, args.config, **overrides)
     chain = Chain(args.out.resolve(), cfg, smoke=args.smoke)
     chain.train_vae = not args.no_vae_stage
@@ -164,6 +174,11 @@ def main() -> int:
             pack(chain.out, args.pack / f"seed-{cfg.seed}.tgz", with_vae=not args.vae)
     if args.part in ("all", "unet"):
         chain.unet_and_eval()
+    if args.part == "pack":
+        if not args.pack:
+            raise SystemExit("--part pack needs --pack DIR")
+        pack(chain.out, args.pack / f"seed-{cfg.seed}.tgz", with_vae=not args.vae)
+        return 0
     chain.write_results()
     return 0
 
@@ -569,8 +584,11 @@ def pack(out: Path, target: Path, with_vae: bool = True) -> Path:
     """What ``--part unet`` needs from ``--part prep``, small enough to travel between two device
     calls: the knowledge-on (and -off) CLIP's text side with its vocabulary pruned to the texts the
     chain uses (``prune_vocabulary``: identical outputs on them) in fp16 safetensors, the upscaler,
-    the VAE (unless it came from ``--vae``: pass it again), TransE's metrics and results/. The data
-    is not packed: it is regenerated from the seed."""
+    the VAE (unless it came from ``--vae``: pass it again), TransE's metrics and prep's results/
+    (not the U-Net's evaluations or guidance choice: a later call makes its own). Once round one's
+    U-Net exists (``--part pack`` between the rounds), its text side too, as ``unet_on``: the encoders
+    that round left, all a second round needs of it (its U-Net stays behind; only ``unet_rounds: 2``
+    may read the packed folder). The data is not packed: it is regenerated from the seed."""
     import tarfile
     import tempfile
 
@@ -581,13 +599,14 @@ def pack(out: Path, target: Path, with_vae: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp)
-        for clip in sorted(out.glob("clip_*")):
-            encoder = KnowledgeTextEncoder.from_pretrained(clip)
-            print(f"[chain] pack {clip.name}: vocabulary {prune_vocabulary(encoder, texts)}", flush=True)
-            encoder.save_pretrained(stage / clip.name)
+        for folder in _encoder_folders(out):
+            encoder = KnowledgeTextEncoder.from_pretrained(folder)
+            print(f"[chain] pack {folder.name}: vocabulary {prune_vocabulary(encoder, texts)}", flush=True)
+            encoder.save_pretrained(stage / folder.name)
         for name in ("upscaler", "vae", "results") if with_vae else ("upscaler", "results"):
             if (out / name).exists():
-                shutil.copytree(out / name, stage / name, ignore=shutil.ignore_patterns("*.png"))
+                later = ("guidance*", "knowledge_*") if name == "results" else ()  # the U-Net's own
+                shutil.copytree(out / name, stage / name, ignore=shutil.ignore_patterns("*.png", *later))
         if (out / "kg" / "config.json").exists():
             (stage / "kg").mkdir()
             shutil.copy(out / "kg" / "config.json", stage / "kg" / "config.json")
@@ -608,7 +627,12 @@ def unpack(source: Path, out: Path) -> None:
     with tarfile.open(source) as tar:
         tar.extractall(out, filter="data")
     cast_safetensors(out, "float32", only=[out / n for n in ("upscaler", "vae") if (out / n).exists()]
-                     + sorted(out.glob("clip_*")))  # fmt: skip
+                     + _encoder_folders(out))  # fmt: skip
+
+
+def _encoder_folders(out: Path) -> list[Path]:
+    """The text encoders a pack carries: every CLIP stage's, and round one's knowledge-on U-Net's."""
+    return sorted(out.glob("clip_*")) + ([out / "unet_on"] if _done(out / "unet_on") else [])
 
 
 def cast_safetensors(root: Path, dtype: str, only: list[Path] | None = None) -> None:
@@ -712,7 +736,8 @@ def run_seeds(args: argparse.Namespace) -> int:
                *(["--vae", str(args.vae.resolve())] if args.vae else []),
                *(["--no-vae-stage"] if args.no_vae_stage else []),
                *(["--pack", str(args.pack.resolve())] if args.pack else []),
-               *(["--unpack", str(args.unpack.resolve())] if args.unpack else [])]  # fmt: skip
+               *(["--unpack", str(args.unpack.resolve())] if args.unpack else []),
+               *(["--unet-rounds", str(args.unet_rounds)] if args.unet_rounds else [])]  # fmt: skip
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
@@ -730,6 +755,8 @@ def run_seeds(args: argparse.Namespace) -> int:
         print(f"[seeds] seed {seed}: exit {code} after {time.time() - start:.0f} s", flush=True)
         if code:
             failed.append(seed)
+    if args.part == "pack":  # nothing was measured: the summary of the run that trained stays
+        return 1 if failed else 0
     summary = summarise_seeds(out, seeds)
     print((out / "summary.md").read_text("utf-8"), flush=True)
     if failed:

@@ -9,6 +9,9 @@
 # Call 1 writes OUT/seed-S.tgz (kshapes_chain.py --pack) and OUT/vae_best.tgz (the recipe comparison's
 # winner, benchmarks/kshapes_vae_recipes.py, trained on seed 0's data beside the chain); call 2 reads
 # them from CARRIED. Files in OUT stay ≤ 8, each < 16 MiB (the device tool's limits).
+# Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
+#   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
+#   UNET_ROUNDS=2 bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder
 set -u
 part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
 if [ "$part" = wheels ]; then
@@ -53,8 +56,19 @@ if [ "$part" = prep ]; then
 else
   carried=$3
   mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
+  # UNET_ROUNDS=2: the U-Net trains twice (ChainConfig.unet_rounds); CARRIED then holds a ROUND1=1
+  # call's round1/ packs (round one's encoders: the second round alone fits one call)
   timeout 560 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
-    --vae /tmp/vae_best/vae --workers 2 > "$out/chain_unet.log" 2>&1
+    --vae /tmp/vae_best/vae --workers 2 ${UNET_ROUNDS:+--unet-rounds $UNET_ROUNDS} > "$out/chain_unet.log" 2>&1 &
+  chain=$!
+  if [ -n "${ROUND1:-}" ]; then  # as soon as round one's U-Nets exist, pack their encoders beside the evaluation
+    n=$(echo "$seeds" | tr ',' '\n' | wc -l)
+    until [ "$(grep -l "unet_on: exit 0" $work/seed-*.log 2>/dev/null | wc -l)" -ge "$n" ] || ! kill -0 $chain 2>/dev/null; do sleep 2; done
+    rm -rf /tmp/round1 && python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part pack --pack /tmp/round1 \
+      --vae /tmp/vae_best/vae > /tmp/pack_round1.log 2>&1
+    cp "$carried/vae_best.tgz" /tmp/round1/ && tar cf "$out/round1.tar" -C /tmp round1 pack_round1.log
+  fi
+  wait $chain
   cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
   tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
   # the seed and knowledge mode chosen on the validation entities (summarise_seeds)

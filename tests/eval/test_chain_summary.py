@@ -228,3 +228,57 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
     cfg.unet_rounds = 3
     with pytest.raises(SystemExit, match="unet_rounds: 1 or 2"):
         chain.Chain(tmp_path / "x", cfg, smoke=True)
+
+
+def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_results(
+    chain, tmp_path, monkeypatch
+):
+    """--part pack after round one (three device calls: prep, round one, round two): the next call
+    gets round one's text side as unet_on — what round two trains on, encoding as before — and
+    prep's results, never round one's guidance choice or evaluations (they would be reused)."""
+    import shutil
+
+    import torch
+
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+    builtin = ROOT / "rapiddiff" / "assets" / "model"
+    first = tmp_path / "first"
+    for part in ("text_encoder", "tokenizer", "knowledge"):
+        shutil.copytree(builtin / part, first / "unet_on" / part)
+    (first / "unet_on" / "unet").mkdir()  # round one's U-Net: stays behind
+    (first / "unet_on" / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"x" * 1000)
+    prompts = ["浅蓝色背景上有一个红色的三角形", "草莓"]
+    (first / "data").mkdir()
+    (first / "data" / "prompts.jsonl").write_text(
+        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in prompts), "utf-8"
+    )
+    results = first / "results"
+    for name in ("guidance/g3/metrics", "knowledge_unet-on/metrics"):
+        (results / name).mkdir(parents=True)
+    (results / "guidance.json").write_text('{"chosen": 3.0}', "utf-8")
+    (results / "recall_clip-on_test-on_val.json").write_text("{}", "utf-8")
+
+    packed = chain.pack(first, tmp_path / "round1" / "seed-0.tgz", with_vae=False)
+    second = tmp_path / "second"
+    chain.unpack(packed, second)
+    assert sorted(p.name for p in (second / "results").iterdir()) == ["recall_clip-on_test-on_val.json"]
+    assert not (second / "unet_on" / "unet").exists()
+    # mode "embed", a chain's round one's: the built-in folder's "both" spells facts with tokens these
+    # two prompts lack (pruned to [UNK]); in the chain every such token was pruned before round one
+    before = KnowledgeTextEncoder.from_pretrained(builtin, knowledge_mode="embed").eval()
+    after = KnowledgeTextEncoder.from_pretrained(second / "unet_on", knowledge_mode="embed").eval()
+    assert {p.dtype for p in after.fusion.parameters()} == {torch.float32}  # round two trains it
+    with torch.no_grad():
+        torch.testing.assert_close(after.encode(prompts), before.encode(prompts))
+
+    # the third call: round one counts as done, round two trains on the unpacked encoders
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", unet_rounds=2)
+    run = chain.Chain(second, cfg, smoke=True)
+    trained: list[str] = []
+    monkeypatch.setattr(run, "run_parallel", lambda batch: trained.extend(batch))
+    monkeypatch.setattr(run, "ensure_data", lambda: None)
+    monkeypatch.setattr(run, "assemble_builtin", lambda: None)
+    monkeypatch.setattr(run, "evaluate", lambda: None)
+    run.unet_and_eval()
+    assert trained == ["unet_on_r2"]
