@@ -82,13 +82,14 @@ class ChainConfig:
     guidance_candidates: list[float] = field(default_factory=list)
     """CFG scales to try on the validation KG-only entities (knowledge embed and both) before the
     evaluation; the best becomes the scale of every evaluation and of the built-in model. Empty: the
-    trained folder's scale. The scale moves every figure (the shipped model: attribute captions all
+    trained folder's scale; one: that scale, unswept. The scale moves every figure (the shipped model: attribute captions all
     four 78 % at 5.0, 88 % at 3.0; BENCHMARKS.md), so it is chosen like the seed: on validation."""
     eval_robust: bool = True
     """also evaluate prompts_robust.jsonl (wording no training caption uses), knowledge on and off."""
     eval_text_mode: bool = True
-    """also evaluate knowledge modes "text" (KG facts spelled into the prompt) and "both" (spelled and
-    fused) on the same U-Net: the ceiling for "on" is the better of the two (module docstring)."""
+    """also evaluate knowledge mode "text" (KG facts spelled into the prompt) on the same U-Net: the
+    ceiling for "on" is the better of "text" and "both" (module docstring). "both" (spelled and fused,
+    the built-in model's mode) is evaluated either way."""
     eval_attribute: bool = True
     """also evaluate split "attribute": attribute captions naming colour, shape, background and
     position (prompts_attribute.jsonl), scored on all four — the base generator's figure."""
@@ -129,7 +130,11 @@ def main() -> int:
         "unet_on is round one's encoders, what round two trains on)",
     )
     parser.add_argument(
-        "--unet-rounds", type=int, choices=[1, 2], help="the config's unet_rounds, overridden"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a --config key (VALUE read as YAML), e.g. --set unet_rounds=2 --set guidance_candidates=[3.0]",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny data, a few steps a stage, CPU")
     parser.add_argument("--seed", type=int, help="the seed of every stage (default: the config's)")
@@ -158,8 +163,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.seeds:
         return run_seeds(args)
-    given = (("seed", args.seed), ("workers", args.workers), ("unet_rounds", args.unet_rounds))
-    overrides = {k: v for k, v in given if v is not None}
+    overrides = {k: v for k, v in (("seed", args.seed), ("workers", args.workers)) if v is not None}
+    overrides.update(_parse_sets(args.set))
     cfg = load_config(ChainConfig, args.config, **overrides)
     chain = Chain(args.out.resolve(), cfg, smoke=args.smoke)
     chain.train_vae = not args.no_vae_stage
@@ -369,6 +374,10 @@ class Chain:
             return json.loads(target.read_text("utf-8"))["chosen"]
         if not self.cfg.guidance_candidates:
             return None
+        if len(self.cfg.guidance_candidates) == 1:  # nothing to choose between: no sweep
+            chosen = float(self.cfg.guidance_candidates[0])
+            target.write_text(json.dumps({"scores": {}, "chosen": chosen}, indent=1), "utf-8")
+            return chosen
         steps = "4" if self.smoke else str(self.cfg.eval_steps)
         per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
         runs = {g: self.results / "guidance" / f"g{g:g}" for g in self.cfg.guidance_candidates}
@@ -425,7 +434,7 @@ class Chain:
         # (model, prompts, modes, splits) per evaluation. The knowledge-off model has no store: only
         # "off". "text" spells the KG facts into the prompt for the same U-Net, "both" spells them and
         # fuses the vectors: the better of the two is the ceiling for "on" (module docstring).
-        on_modes = "on,off,text,both" if self.cfg.eval_text_mode else "on,off"
+        on_modes = "on,off,text,both" if self.cfg.eval_text_mode else "on,off,both"
         entities = "seen,heldout,val"
         runs = {"knowledge_unet-on": (self.unet_on, self.data, on_modes, entities)}
         if self.cfg.train_off:
@@ -737,7 +746,7 @@ def run_seeds(args: argparse.Namespace) -> int:
                *(["--no-vae-stage"] if args.no_vae_stage else []),
                *(["--pack", str(args.pack.resolve())] if args.pack else []),
                *(["--unpack", str(args.unpack.resolve())] if args.unpack else []),
-               *(["--unet-rounds", str(args.unet_rounds)] if args.unet_rounds else [])]  # fmt: skip
+               *(f"--set={kv}" for kv in args.set)]  # fmt: skip
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
@@ -763,6 +772,19 @@ def run_seeds(args: argparse.Namespace) -> int:
         print(f"[seeds] failed: {failed}; see {out}/seed-S.log", flush=True)
         return 1
     return 0 if summary else 1
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs as config overrides (VALUE as YAML: 2, 3.0, [3.0], false)."""
+    import yaml
+
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE, e.g. --set unet_rounds=2")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
 
 
 def _visible_gpus() -> list[str]:

@@ -11,7 +11,7 @@
 # them from CARRIED. Files in OUT stay ≤ 8, each < 16 MiB (the device tool's limits).
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
-#   UNET_ROUNDS=2 bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder
+#   SET="unet_rounds=2" bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder
 set -u
 part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
 if [ "$part" = wheels ]; then
@@ -56,10 +56,11 @@ if [ "$part" = prep ]; then
 else
   carried=$3
   mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
-  # UNET_ROUNDS=2: the U-Net trains twice (ChainConfig.unet_rounds); CARRIED then holds a ROUND1=1
-  # call's round1/ packs (round one's encoders: the second round alone fits one call)
+  # SET="unet_rounds=2 ...": chain config overrides (kshapes_chain.py --set); with unet_rounds=2, CARRIED
+  # holds a ROUND1=1 call's round1/ packs (round one's encoders: the second round alone fits one call)
+  read -ra sets <<< "${SET:-}"
   timeout 560 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
-    --vae /tmp/vae_best/vae --workers 2 ${UNET_ROUNDS:+--unet-rounds $UNET_ROUNDS} > "$out/chain_unet.log" 2>&1 &
+    --vae /tmp/vae_best/vae --workers 2 "${sets[@]/#/--set=}" > "$out/chain_unet.log" 2>&1 &
   chain=$!
   if [ -n "${ROUND1:-}" ]; then  # as soon as round one's U-Nets exist, pack their encoders beside the evaluation
     n=$(echo "$seeds" | tr ',' '\n' | wc -l)

@@ -129,7 +129,7 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
     run2 = chain.Chain(tmp_path / "b", cfg, smoke=True)
     monkeypatch.setattr(run2, "run_parallel", lambda batch: jobs.update(batch))
     run2.evaluate()
-    assert arg(jobs["knowledge_unet-on"], "--modes") == "on,off"
+    assert arg(jobs["knowledge_unet-on"], "--modes") == "on,off,both"  # "both": the shipped mode
     assert "knowledge_attribute_unet-on" not in jobs
 
 
@@ -282,3 +282,19 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
     monkeypatch.setattr(run, "evaluate", lambda: None)
     run.unet_and_eval()
     assert trained == ["unet_on_r2"]
+
+
+def test_one_guidance_candidate_is_used_unswept_and_set_overrides_the_config(chain, tmp_path, monkeypatch):
+    overrides = chain._parse_sets(["unet_rounds=2", "guidance_candidates=[3.0]", "eval_text_mode=false"])
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", **overrides)
+    assert (cfg.unet_rounds, cfg.guidance_candidates, cfg.eval_text_mode) == (2, [3.0], False)
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        chain._parse_sets(["unet_rounds"])
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    jobs: dict[str, list[str]] = {}
+    monkeypatch.setattr(run, "run_parallel", jobs.update)
+    run.evaluate()
+    assert not any(name.startswith("guidance_") for name in jobs)  # nothing to choose: no sweep
+    on = jobs["knowledge_unet-on"]
+    assert on[on.index("--guidance") + 1] == "3.0"
+    assert on[on.index("--modes") + 1] == "on,off,both"  # the shipped mode, without the text ceiling
