@@ -110,8 +110,8 @@ class ChainConfig:
     unet_rounds: int = 1
     """1, or 2: after the knowledge-on U-Net trains, a fresh U-Net trains on the encoders the first
     round left (its fusion as that round moved it: ``unet_on_r2``), and the second is the one chosen,
-    evaluated and shipped. One run on the shipped encoders: attribute captions all four 89.8 → 95.6 %
-    (BENCHMARKS.md, issue 18, "a second U-Net round"); not yet measured over seeds."""
+    evaluated and shipped. One run on the shipped encoders: attribute captions all four 89.8 → 95.6 %;
+    over 3 seeds, like for like, 89.8 ± 2.3 → 89.8 ± 2.8 % (BENCHMARKS.md, issue 18): no gain."""
     clip_hide_relations: list[str] | None = None
     """the knowledge CLIP's ``model.entity_token_dropout_relations``: hide only mentions of entities
     with facts of these relations (["颜色", "形状"]: the objects, not the attribute words); None: the
