@@ -627,16 +627,18 @@ def pack(out: Path, target: Path, with_vae: bool = True) -> Path:
 
 
 def unpack(source: Path, out: Path) -> None:
-    """Extract a :func:`pack` archive into ``out`` (weights back to fp32 for training)."""
+    """Extract a :func:`pack` archive into ``out`` (its weights back to fp32 for training; only what
+    the archive held: a resumed chain's own trained folders stay as they are)."""
     import tarfile
 
     if not source.is_file():
         raise SystemExit(f"--unpack: {source} not found (write it with --part prep --pack DIR)")
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(source) as tar:
+        packed = {os.path.normpath(name).split("/")[0] for name in tar.getnames()}
         tar.extractall(out, filter="data")
-    cast_safetensors(out, "float32", only=[out / n for n in ("upscaler", "vae") if (out / n).exists()]
-                     + _encoder_folders(out))  # fmt: skip
+    weights = {"upscaler", "vae", *(folder.name for folder in _encoder_folders(out))}
+    cast_safetensors(out, "float32", only=[out / name for name in sorted(packed & weights)])
 
 
 def _encoder_folders(out: Path) -> list[Path]:

@@ -272,6 +272,21 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
     with torch.no_grad():
         torch.testing.assert_close(after.encode(prompts), before.encode(prompts))
 
+    # a prep pack unpacked into a resumed chain casts what it brought, not the chain's own U-Net folder
+    from safetensors.torch import load_file, save_file
+
+    (first / "unet_on").rename(first / "clip_on")
+    shutil.rmtree(first / "clip_on" / "unet")
+    prep = chain.pack(first, tmp_path / "prep" / "seed-0.tgz", with_vae=False)
+    resumed = tmp_path / "resumed"
+    (resumed / "unet_on" / "unet").mkdir(parents=True)
+    save_file({"w": torch.ones(2, dtype=torch.float16)}, str(resumed / "unet_on" / "unet" / "w.safetensors"))
+    chain.unpack(prep, resumed)
+    assert load_file(str(resumed / "unet_on" / "unet" / "w.safetensors"))["w"].dtype == torch.float16
+    assert {
+        v.dtype for v in load_file(str(resumed / "clip_on" / "text_encoder" / "model.safetensors")).values()
+    } == {torch.float32}
+
     # the third call: round one counts as done, round two trains on the unpacked encoders
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", unet_rounds=2)
     run = chain.Chain(second, cfg, smoke=True)
