@@ -14,8 +14,9 @@
 #   SET="unet_rounds=2" bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder
 # Since the guidance sweep scores attribute captions too (2026-11-24), the full 3-seed `unet` call
 # (35 s data, 350 s U-Nets, 100 s sweep, ~200 s evaluation) outruns its 560 s: the summary then has
-# what finished. The chain resumes (a finished stage, sweep, evaluation or image is not redone): the
-# same command again within the machine's idle release (30 s; it keeps /tmp) should complete it (untried).
+# what finished. The chain resumes (a finished stage, sweep or evaluation is not redone): the same
+# command again within the machine's idle release (30 s; it keeps /tmp) completes it — 132 s more on
+# 2026-11-24, then the whole summary and the chosen seed's model (BENCHMARKS.md, issue 18, 19:38).
 set -u
 part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
 if [ "$part" = wheels ]; then
