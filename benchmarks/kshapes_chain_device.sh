@@ -94,6 +94,6 @@ print(s['best_seed'], s.get('knowledge_mode') or '')" 2>/dev/null)
   [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
     "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
   [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
-  tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -6) 2>/dev/null
+  tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
 fi
 ls -la "$out"
