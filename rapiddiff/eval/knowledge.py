@@ -457,7 +457,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "consistency score: PSNR/SSIM against kshapes' renderer drawing what the detector read "
         "(pairs in RUN/render_consistency.png)."
     )
-    parser.add_argument("--model", required=True, type=Path, help="model folder trained on kshapes")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="model folder trained on kshapes (default: the built-in model, or $RAPIDDIFF_MODEL, as in generate)",
+    )
     parser.add_argument(
         "--kshapes", required=True, type=Path, help="folder from `rapiddiff data kshapes` (its prompts.jsonl)"
     )
@@ -503,6 +507,10 @@ def run(args: argparse.Namespace) -> int:
             if len(by_split[row["split"]]) < args.limit:
                 by_split[row["split"]].append(row)
         prompts = [r for s in splits for r in by_split[s]]
+    if args.model is None:  # the built-in model is a kshapes model: the one this command fits first
+        from rapiddiff.models.bundle import builtin_model_dir
+
+        args.model = builtin_model_dir()
     if not args.model.is_dir():
         raise FileNotFoundError(f"model folder not found: {args.model}")
     pipe = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)

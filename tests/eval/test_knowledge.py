@@ -82,7 +82,10 @@ def test_prompt_file_errors(tmp_path):
         read_knowledge_prompts(tmp_path)
 
 
-def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, capsys):
+def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, capsys, monkeypatch):
+    monkeypatch.setenv(
+        "RAPIDDIFF_MODEL", str(tiny_model)
+    )  # without --model: the built-in one, as in generate
     kshapes = tmp_path / "kshapes"
     kshapes.mkdir()
     rows = _prompts()
@@ -92,8 +95,6 @@ def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, caps
         [
             "eval",
             "knowledge",
-            "--model",
-            str(tiny_model),
             "--kshapes",
             str(kshapes),
             "--out",
@@ -110,6 +111,7 @@ def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, caps
     )
     assert code == 0
     record = json.loads((out / "metrics" / "knowledge.json").read_text())
+    assert record["details"]["settings"]["model"] == str(tiny_model)
     rows = {(r["split"], r["knowledge"]): r for r in record["table"]}
     assert len(rows) == 4 and all(r["images"] == 4 for r in rows.values())
     # This model has no KnowledgeStore: on and off are one encoder, so they must agree exactly.
