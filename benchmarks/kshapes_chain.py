@@ -52,7 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rapiddiff.utils.config import load_config  # noqa: E402
+from rapiddiff.utils.config import ConfigError, load_config  # noqa: E402
 
 
 @dataclass
@@ -161,11 +161,16 @@ def main() -> int:
         "--unpack", type=Path, help="before --part unet: extract UNPACK/seed-S.tgz (written by --pack)"
     )
     args = parser.parse_args()
+    if args.part == "pack" and not args.pack:
+        parser.error("--part pack needs --pack DIR")
     if args.seeds:
         return run_seeds(args)
     overrides = {k: v for k, v in (("seed", args.seed), ("workers", args.workers)) if v is not None}
     overrides.update(_parse_sets(args.set))
-    cfg = load_config(ChainConfig, args.config, **overrides)
+    try:
+        cfg = load_config(ChainConfig, args.config, **overrides)
+    except ConfigError as err:  # a typo in the file or a --set: the message names the valid keys
+        raise SystemExit(f"{err}{' (with --set ' + ', '.join(args.set) + ')' if args.set else ''}") from None
     chain = Chain(args.out.resolve(), cfg, smoke=args.smoke)
     chain.train_vae = not args.no_vae_stage
     if args.vae and not _done(chain.out / "vae"):
@@ -175,15 +180,12 @@ def main() -> int:
     if args.part in ("all", "prep"):
         chain.prep()
         chain.write_results()
-        if args.pack:
-            pack(chain.out, args.pack / f"seed-{cfg.seed}.tgz", with_vae=not args.vae)
+    if args.pack and args.part in ("all", "prep", "pack"):
+        pack(chain.out, args.pack / f"seed-{cfg.seed}.tgz", with_vae=not args.vae)
+    if args.part == "pack":
+        return 0
     if args.part in ("all", "unet"):
         chain.unet_and_eval()
-    if args.part == "pack":
-        if not args.pack:
-            raise SystemExit("--part pack needs --pack DIR")
-        pack(chain.out, args.pack / f"seed-{cfg.seed}.tgz", with_vae=not args.vae)
-        return 0
     chain.write_results()
     return 0
 
@@ -785,7 +787,10 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise SystemExit(f"--set {pair!r}: expected KEY=VALUE, e.g. --set unet_rounds=2")
-        overrides[key.strip()] = yaml.safe_load(value)
+        try:
+            overrides[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise SystemExit(f"--set {pair!r}: the value is not valid YAML ({err})") from err
     return overrides
 
 

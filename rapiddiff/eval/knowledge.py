@@ -507,10 +507,10 @@ def run(args: argparse.Namespace) -> int:
             if len(by_split[row["split"]]) < args.limit:
                 by_split[row["split"]].append(row)
         prompts = [r for s in splits for r in by_split[s]]
-    if args.model is None:  # the built-in model is a kshapes model: the one this command fits first
-        from rapiddiff.models.bundle import builtin_model_dir
+    # Without --model: the built-in model (a kshapes model), resolved as generate and serve do.
+    from rapiddiff.infer.generate_cli import resolve_model_dir
 
-        args.model = builtin_model_dir()
+    args.model = resolve_model_dir(str(args.model) if args.model else None)
     if not args.model.is_dir():
         raise FileNotFoundError(f"model folder not found: {args.model}")
     pipe = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)

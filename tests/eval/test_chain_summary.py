@@ -305,6 +305,8 @@ def test_one_guidance_candidate_is_used_unswept_and_set_overrides_the_config(cha
     assert (cfg.unet_rounds, cfg.guidance_candidates, cfg.eval_text_mode) == (2, [3.0], False)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         chain._parse_sets(["unet_rounds"])
+    with pytest.raises(SystemExit, match="not valid YAML"):
+        chain._parse_sets(["guidance_candidates=[3.0"])
     run = chain.Chain(tmp_path, cfg, smoke=True)
     jobs: dict[str, list[str]] = {}
     monkeypatch.setattr(run, "run_parallel", jobs.update)
