@@ -116,6 +116,13 @@ class ChainConfig:
     """the knowledge CLIP's ``model.entity_token_dropout_relations``: hide only mentions of entities
     with facts of these relations (["颜色", "形状"]: the objects, not the attribute words); None: the
     stage config's (every mention). BENCHMARKS.md, issue 18: "the text tower never read an attribute word"."""
+    clip_fusion_relations: list[str] | None = None
+    """the knowledge CLIP's ``model.fusion_relations`` (kept by the U-Net stage and the built-in model):
+    knowledge only at mentions of entities with facts of these relations, so attribute words are read
+    as words with no TransE vector; None: the stage config's."""
+    clip_hard_negatives: list[str] | None = None
+    """the knowledge CLIP's ``model.hard_negative_relations``: each attribute caption's variant with
+    one value of these relations swapped (红色 → 黄色) as an extra negative; None: the stage config's."""
 
 
 def main() -> int:
@@ -294,6 +301,12 @@ class Chain:
                 if mode == "on" and self.cfg.clip_hide_relations is not None:
                     knowledge.append(
                         f"--model.entity_token_dropout_relations=[{','.join(self.cfg.clip_hide_relations)}]"
+                    )
+                if mode == "on" and self.cfg.clip_fusion_relations is not None:
+                    knowledge.append(f"--model.fusion_relations=[{','.join(self.cfg.clip_fusion_relations)}]")
+                if mode == "on" and self.cfg.clip_hard_negatives is not None:
+                    knowledge.append(
+                        f"--model.hard_negative_relations=[{','.join(self.cfg.clip_hard_negatives)}]"
                     )
                 jobs[f"clip_{mode}"] = self.training("clip", self.cfg.clip, out, *data, *knowledge)
         if self.train_vae and not _done(self.out / "vae"):

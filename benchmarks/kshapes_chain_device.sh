@@ -40,9 +40,12 @@ PRELUDE
   du -sh "$dest"; exit 0
 fi
 mkdir -p "$out"
+# SET="unet_rounds=2 clip_fusion_relations=[颜色,形状] ...": chain config overrides (kshapes_chain.py --set),
+# for both calls (a CLIP-stage key matters in prep; the U-Net stage keeps what the CLIP folder saved)
+read -ra sets <<< "${SET:-}"
 if [ "$part" = prep ]; then
   timeout 540 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part prep --no-vae-stage \
-    --workers 2 --pack "$out" > "$out/chain_prep.log" 2>&1 &
+    --workers 2 --pack "$out" "${sets[@]/#/--set=}" > "$out/chain_prep.log" 2>&1 &
   chain=$!
   until grep -q "data: exit 0" $work/seed-0.log 2>/dev/null || ! kill -0 $chain 2>/dev/null; do sleep 2; done
   if [ -n "${VAE_REUSE:-}" ]; then  # VAE_REUSE=path/vae_best.tgz: an earlier call's VAE as it is (an
@@ -61,9 +64,8 @@ if [ "$part" = prep ]; then
 else
   carried=$3
   mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
-  # SET="unet_rounds=2 ...": chain config overrides (kshapes_chain.py --set); with unet_rounds=2, CARRIED
-  # holds a ROUND1=1 call's round1/ packs (round one's encoders: the second round alone fits one call)
-  read -ra sets <<< "${SET:-}"
+  # with unet_rounds=2, CARRIED holds a ROUND1=1 call's round1/ packs (round one's encoders: the
+  # second round alone fits one call)
   timeout 560 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
     --vae /tmp/vae_best/vae --workers 2 "${sets[@]/#/--set=}" > "$out/chain_unet.log" 2>&1 &
   chain=$!

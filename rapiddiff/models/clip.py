@@ -166,13 +166,26 @@ class KnowledgeCLIP(nn.Module):
         """[-1, 1] pixels [N, 3, H, W] → L2-normalised features [N, embed_dim]."""
         return F.normalize(self.image_features(pixel_values), dim=-1)
 
-    def contrastive_loss(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        """Symmetric InfoNCE over the batch; rows of ``text`` and ``image`` are the positive pairs."""
+    def contrastive_loss(
+        self, text: torch.Tensor, image: torch.Tensor, negative_valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Symmetric InfoNCE over the batch; rows of ``text`` and ``image`` are the positive pairs.
+
+        With ``negative_valid`` [N] (hard negatives, NegCLIP), ``text`` is [2N, D]: the N captions,
+        then each caption's hard negative. As in NegCLIP the negatives join every image's candidates
+        in the image→text loss (a False entry leaves its negative out); text→image is unchanged.
+        """
         text, image = F.normalize(text, dim=-1), F.normalize(image, dim=-1)
         scale = self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
-        logits = scale * text @ image.T  # (N, N): text i vs image j
-        target = torch.arange(len(text), device=text.device)
-        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        n = len(image)
+        logits = scale * text @ image.T  # (N or 2N, N): text i vs image j
+        target = torch.arange(n, device=text.device)
+        text_to_image = F.cross_entropy(logits[:n], target)
+        image_to_text = logits.T  # (N, N or 2N)
+        if negative_valid is not None:
+            keep = torch.cat([torch.ones_like(negative_valid), negative_valid])
+            image_to_text = image_to_text.masked_fill(~keep, float("-inf"))
+        return (text_to_image + F.cross_entropy(image_to_text, target)) / 2
 
     # ------------------------------------------------------------------ build / save / load
     @classmethod

@@ -151,6 +151,12 @@ class KnowledgeTextEncoder(nn.Module):
         mask_relations: with ``mask_entity_mentions``, mask only mentions of entities that head a
             fact of one of these relations (the CLIP stage's ``entity_token_dropout_relations``);
             None masks every linked mention.
+        fusion_relations: add knowledge only at mentions of entities that head a fact of one of
+            these relations (the objects the KG describes: 番茄 has a 颜色); other linked mentions —
+            the attribute words 红色, 三角形, which are entities too — are read as plain words.
+            None: knowledge at every linked mention. A value word's TransE vector says what the KG
+            says about it, and on kshapes that makes neighbouring hues alike (orange and yellow
+            closest with knowledge on, the pair the generator confuses; BENCHMARKS.md, issue 18).
         knowledge_mode: "embed" (fused TransE vectors), "text" (facts spelled into the prompt)
             or "both"; used while ``knowledge`` is on.
         expansion_relations: relations whose facts "text"/"both" spell, in order; default
@@ -179,6 +185,7 @@ class KnowledgeTextEncoder(nn.Module):
         fusion: KnowledgeFusion | None = None,
         mask_entity_mentions: bool = False,
         mask_relations: Sequence[str] | None = None,
+        fusion_relations: Sequence[str] | None = None,
         knowledge_mode: str = "embed",
         expansion_relations: Sequence[str] | None = None,
         simplified_text: bool = False,
@@ -215,7 +222,9 @@ class KnowledgeTextEncoder(nn.Module):
             )
         self.simplified_text = simplified_text
         self._mask_relations = list(mask_relations) if mask_relations is not None else None
-        self._maskable: torch.Tensor | None = None  # [n_entities] bool from mask_relations and the store
+        self._fusion_relations = list(fusion_relations) if fusion_relations is not None else None
+        # [n_entities] bool per (setting, relations): the heads entities_with_facts finds in the store
+        self._heads: dict[tuple[str, tuple[str, ...]], torch.Tensor] = {}
         self.knowledge = True
         self.knowledge_mode = knowledge_mode
         self.expansion_relations = list(expansion_relations) if expansion_relations is not None else None
@@ -262,7 +271,7 @@ class KnowledgeTextEncoder(nn.Module):
 
             linker = EntityLinker.from_store(store)
         self.store, self.linker, self.fusion = store, linker, fusion
-        self._maskable = None  # recomputed for this store when masking first needs it
+        self._heads = {}  # recomputed for this store when masking or fusion first needs them
         self.expander = PromptExpander(store, linker, self.expansion_relations)
         if not getattr(self.tokenizer, "is_fast", False):
             log.warning(
@@ -289,18 +298,31 @@ class KnowledgeTextEncoder(nn.Module):
 
     @mask_relations.setter
     def mask_relations(self, relations: Sequence[str] | None) -> None:
-        self._maskable = entities_with_facts(self.store, relations, "mask_relations")  # checks the names
+        entities_with_facts(self.store, relations, "mask_relations")  # checks the names
         self._mask_relations = list(relations) if relations is not None else None
 
-    def _maskable_entities(self) -> torch.Tensor | None:
-        """[n_entities] bool: the entities ``mask_entity_mentions`` masks (None: every linked one).
-        Built on first use, so a folder saved with relations another store lacks still loads while
-        masking is off."""
-        if self._mask_relations is None or self.store is None:
+    @property
+    def fusion_relations(self) -> list[str] | None:
+        return self._fusion_relations
+
+    @fusion_relations.setter
+    def fusion_relations(self, relations: Sequence[str] | None) -> None:
+        entities_with_facts(self.store, relations, "fusion_relations")  # checks the names
+        self._fusion_relations = list(relations) if relations is not None else None
+
+    def _heads_of(self, setting: str) -> torch.Tensor | None:
+        """[n_entities] bool: the heads of a fact of the relations ``setting`` ("mask_relations" or
+        "fusion_relations") names; None when it is unset (every linked entity). Built on first use,
+        so a folder saved with relations another store lacks still loads while knowledge is off."""
+        relations = getattr(self, setting)
+        if relations is None or self.store is None:
             return None
-        if self._maskable is None:
-            self._maskable = entities_with_facts(self.store, self._mask_relations, "mask_relations")
-        return self._maskable
+        key = (setting, tuple(relations))
+        if key not in self._heads:
+            heads = entities_with_facts(self.store, relations, setting)
+            assert heads is not None
+            self._heads[key] = heads
+        return self._heads[key]
 
     @property
     def knowledge_mode(self) -> str:
@@ -405,10 +427,13 @@ class KnowledgeTextEncoder(nn.Module):
                     # padding tokens have empty (0, 0) ranges and never do.
                     inside = (end > start) & (start < span.end) & (end > span.start)
                     ids[b, inside] = span.entity_id
+        fusable = self._heads_of("fusion_relations") if self.has_knowledge else None
+        if fusable is not None:  # attribute words: read as words, no knowledge
+            ids = ids.masked_fill((ids >= 0) & ~fusable[ids.clamp(min=0)], -1)
         input_ids = enc["input_ids"]
         if self.mask_entity_mentions and self.has_knowledge:
             masked = ids >= 0
-            maskable = self._maskable_entities()
+            maskable = self._heads_of("mask_relations")
             if maskable is not None:
                 masked &= maskable[ids.clamp(min=0)]
             input_ids = input_ids.masked_fill(masked, self.tokenizer.mask_token_id)
@@ -473,6 +498,7 @@ class KnowledgeTextEncoder(nn.Module):
             "use_attention_mask": self.use_attention_mask,
             "mask_entity_mentions": self.mask_entity_mentions,
             "mask_relations": self.mask_relations,
+            "fusion_relations": self.fusion_relations,
             "knowledge_mode": self.knowledge_mode,
             "expansion_relations": self.expansion_relations,
             "simplified_text": self.simplified_text,

@@ -44,12 +44,17 @@ from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer, entities_with_facts
 from rapiddiff.train.common import FrozenGC, RapidModule, run_cli, use_fused_adamw
 from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.negatives import ValueSwap
 from rapiddiff.train.speed import GRAPH_WARMUP_STEPS, GraphedLoss
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 DEFAULT_IMAGE_SIZE = 128  # from scratch, when model.image_size is unset
+# The hard negatives' tensors, after the four of a step (model.hard_negative_relations)
+NEGATIVE_KEYS = ("neg_input_ids", "neg_attention_mask", "neg_token_entity_ids", "neg_valid")
+# Hard negatives kept per caption, one drawn a step; a few cover most swaps over a run
+NEGATIVE_VARIANTS = 4
 Freeze = Literal["none", "image", "text", "all_but_fusion"]
 
 
@@ -166,6 +171,16 @@ class CLIPTraining(RapidModule):
             saw a colour, shape or background word (they are KG entities too): a U-Net trained on
             its states without knowledge draws them at chance and positions 99.5 % right
             (BENCHMARKS.md, issue 18).
+        fusion_relations: add knowledge only at mentions of entities that head a fact of one of
+            these relations, so the attribute words (红色, entities too) are read as words with no
+            TransE vector added; saved with the encoder, so the U-Net stage and inference do the same.
+            None: knowledge at every linked mention. A value word's vector carries what the KG says
+            about it, which on kshapes makes neighbouring hues' states alike (BENCHMARKS.md, issue 18).
+        hard_negative_relations: add, for each caption that names a value of one of these relations
+            (红色 for 颜色), the caption with that value swapped for another (黄色) as an extra negative
+            of its image (NegCLIP's hard negatives, chosen by the KG: :mod:`rapiddiff.train.negatives`),
+            so the text side must tell neighbouring values apart in the same context. None: in-batch
+            negatives only. Needs a knowledge store.
         mask_entity_mentions: the saved encoder replaces entity mentions by [MASK] at inference
             (knowledge on), so an entity is known only through the KG. On kshapes (H200,
             2026-11-22) it lowered held-out R@1 (18.8 → 9.4 with entity_token_dropout 1.0): off.
@@ -204,6 +219,8 @@ class CLIPTraining(RapidModule):
         max_relations: int = 8,
         entity_token_dropout: float = 0.5,
         entity_token_dropout_relations: list[str] | None = None,
+        fusion_relations: list[str] | None = None,
+        hard_negative_relations: list[str] | None = None,
         mask_entity_mentions: bool = False,
         knowledge_item_dropout: float = 0.0,
         knowledge_entity_item: bool = True,
@@ -248,6 +265,7 @@ class CLIPTraining(RapidModule):
         if self.model.text_encoder.fusion is not None:
             self.model.text_encoder.fusion.item_dropout = knowledge_item_dropout
             self.model.text_encoder.mask_entity_mentions = mask_entity_mentions
+            self.model.text_encoder.fusion_relations = fusion_relations
         self._apply_freeze(freeze)
         self.speed = speed
         self.sync_every = speed.sync_every
@@ -262,6 +280,11 @@ class CLIPTraining(RapidModule):
         self.register_buffer("_hideable", hideable, persistent=False)
         if mask_entity_mentions and hideable is not None:  # inference masks what training hid
             self.model.text_encoder.mask_relations = entity_token_dropout_relations
+        self._swap = (
+            ValueSwap(self.model.text_encoder, hard_negative_relations)
+            if hard_negative_relations is not None
+            else None
+        )
 
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:
@@ -331,6 +354,9 @@ class CLIPTraining(RapidModule):
         # (speed.gpu_data: training batches are positions; their tokens are on the device already.)
         if "text" in batch:
             batch.update(self._tokens(list(batch["text"])))
+            if self._swap is not None and self.training:  # the captions' variants; one drawn a step
+                tokens = {k: batch[k] for k in ("input_ids", "attention_mask", "token_entity_ids")}
+                batch.update(self._swap(tokens, NEGATIVE_VARIANTS))
         return batch
 
     def _tokens(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -385,15 +411,31 @@ class CLIPTraining(RapidModule):
         return self._hide_ids
 
     def _features(self, batch: dict[str, Any], train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids = batch["input_ids"]
+        input_ids, mask, entities = batch["input_ids"], batch["attention_mask"], batch["token_entity_ids"]
+        negatives = train and "neg_input_ids" in batch
+        if negatives:  # the hard negatives go through the tower with their captions, in one call
+            input_ids = torch.cat([input_ids, batch["neg_input_ids"]])
+            mask = torch.cat([mask, batch["neg_attention_mask"]])
+            entities = torch.cat([entities, batch["neg_token_entity_ids"]])
         if train and self.model.text_encoder.has_knowledge:
-            input_ids = self.hide_entity_tokens(input_ids, batch["token_entity_ids"])
-        text = self.model.text_features(input_ids, batch["attention_mask"], batch["token_entity_ids"])
+            input_ids = self.hide_entity_tokens(input_ids, entities)
+        text = self.model.text_features(input_ids, mask, entities)
         image = self.model.image_features(batch["pixel_values"])
         if self.trainer.world_size > 1:  # negatives from every GPU, as Chinese-CLIP does
-            text = self.all_gather(text, sync_grads=True).flatten(0, 1)
-            image = self.all_gather(image, sync_grads=True).flatten(0, 1)
+            gather = lambda x: self.all_gather(x, sync_grads=True).flatten(0, 1)  # noqa: E731
+            if negatives:  # captions and hard negatives gathered apart: positives stay rows 0..N-1
+                half = len(batch["input_ids"])
+                text = torch.cat([gather(text[:half]), gather(text[half:])])
+            else:
+                text = gather(text)
+            image = gather(image)
         return text, image
+
+    def _negative_valid(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        if "neg_valid" not in batch:
+            return None
+        valid = batch["neg_valid"]
+        return self.all_gather(valid).flatten(0, 1) if self.trainer.world_size > 1 else valid
 
     def step_loss(
         self,
@@ -401,21 +443,30 @@ class CLIPTraining(RapidModule):
         attention_mask: torch.Tensor,
         token_entity_ids: torch.Tensor,
         pixel_values: torch.Tensor,
+        *negatives: torch.Tensor,
     ) -> torch.Tensor:
-        """Entity hiding → both towers → symmetric InfoNCE (the part of a step speed.cuda_graph captures)."""
+        """Entity hiding → both towers → symmetric InfoNCE (the part of a step speed.cuda_graph captures).
+        ``negatives``: the hard negatives' tensors, in :data:`NEGATIVE_KEYS` order, when there are some."""
         batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "token_entity_ids": token_entity_ids,
             "pixel_values": pixel_values,
+            **dict(zip(NEGATIVE_KEYS, negatives, strict=False)),
         }
         text, image = self._features(batch, train=True)
-        return self.model.contrastive_loss(text, image)
+        return self.model.contrastive_loss(text, image, self._negative_valid(batch))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if self._resident is not None:  # speed.gpu_data: gathered on the device
             batch = self._resident.batch(batch["position"])
+        if "neg_valid" in batch:  # one of each caption's hard negative variants, drawn on the device
+            variants = batch["neg_valid"]
+            pick = torch.randint(variants.shape[1], (len(variants),), device=variants.device)
+            rows = torch.arange(len(variants), device=variants.device)
+            batch = {**batch, **{k: batch[k][rows, pick] for k in NEGATIVE_KEYS}}
         inputs = [batch[k] for k in ("input_ids", "attention_mask", "token_entity_ids", "pixel_values")]
+        inputs += [batch[k] for k in NEGATIVE_KEYS if k in batch]
         if self.speed.cuda_graph and self.global_step >= GRAPH_WARMUP_STEPS:
             loss = self._graph_step(inputs)
         else:
@@ -479,7 +530,12 @@ class CLIPTraining(RapidModule):
             workers = getattr(self.trainer.datamodule, "num_workers", 0) if self._trainer else 0
             started = time.perf_counter()
             self._resident = ResidentPairs.build(
-                getattr(dataset, "source", dataset), self._tokens, self.device, loader.batch_size, workers
+                getattr(dataset, "source", dataset),
+                self._tokens,
+                self.device,
+                loader.batch_size,
+                workers,
+                negatives=self._swap,
             )
             self.resident_seconds = time.perf_counter() - started
             log.info(
@@ -507,15 +563,28 @@ class ResidentPairs:
     Positions are the dataset's: an item that failed to decode holds what the loader gave in its
     place (the next good item), as the plain step would see it."""
 
-    def __init__(self, images: torch.Tensor, tokens: dict[str, torch.Tensor], hflip: bool) -> None:
+    def __init__(
+        self,
+        images: torch.Tensor,
+        tokens: dict[str, torch.Tensor],
+        hflip: bool,
+        negatives: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.images = images  # (N, 3, S, S) uint8 or float32
         self.tokens = tokens  # {name: (N, L)}
         self.hflip = hflip
+        self.negatives = negatives  # {neg_*: (N, K, ...)}: K hard negatives a caption
 
     @classmethod
     @torch.no_grad()
     def build(
-        cls, dataset: Any, tokenize: Any, device: torch.device, batch_size: int, workers: int
+        cls,
+        dataset: Any,
+        tokenize: Any,
+        device: torch.device,
+        batch_size: int,
+        workers: int,
+        negatives: ValueSwap | None = None,
     ) -> ResidentPairs:
         from torch.utils.data import DataLoader
 
@@ -545,11 +614,15 @@ class ResidentPairs:
         if not exact:  # a transform whose values are not u/127.5 - 1: keep the floats themselves
             log.info("speed.gpu_data: the images are not 8-bit levels; kept as float32")
             images = [pixels_of(x) if x.dtype == torch.uint8 else x for x in images]
-        tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
-        return cls(torch.cat(images).to(device), tokens, hflip)
+        tokens = tokenize(texts)
+        swapped = None
+        if negatives is not None:  # the variants of every caption, as the plain step makes them per batch
+            swapped = {k: v.to(device) for k, v in negatives(tokens, NEGATIVE_VARIANTS).items()}
+        tokens = {k: v.to(device) for k, v in tokens.items()}
+        return cls(torch.cat(images).to(device), tokens, hflip, swapped)
 
     def nbytes(self) -> int:
-        tensors = [self.images, *self.tokens.values()]
+        tensors = [self.images, *self.tokens.values(), *(self.negatives or {}).values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def batch(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -560,7 +633,10 @@ class ResidentPairs:
         if self.hflip:  # the loader's transform flips each image with chance 1/2
             flip = torch.rand(len(positions), device=pixels.device) < 0.5
             pixels = torch.where(flip.view(-1, 1, 1, 1), pixels.flip(-1), pixels)
-        return {"pixel_values": pixels, **{k: v[positions] for k, v in self.tokens.items()}}
+        batch = {"pixel_values": pixels, **{k: v[positions] for k, v in self.tokens.items()}}
+        if self.negatives is not None:
+            batch.update({k: v[positions] for k, v in self.negatives.items()})
+        return batch
 
 
 def pixels_of(codes: torch.Tensor) -> torch.Tensor:

@@ -244,6 +244,34 @@ def test_mask_relations_mask_only_the_objects_the_kg_describes(tmp_path, taiyi_d
         encoder.mask_relations = ["材质"]
 
 
+def test_fusion_relations_add_knowledge_only_to_the_objects_the_kg_describes(tmp_path, taiyi_dir, store):
+    """fusion_relations=[颜色]: 番茄 (head of a 颜色 fact) keeps its entity id and its knowledge, 红色
+    (an entity too, the fact's tail) is read as a plain word: its states are those of knowledge off
+    where nothing else in the prompt is linked; saved and loaded; an unknown relation is named."""
+    encoder = KnowledgeTextEncoder.from_pretrained(taiyi_dir, store=store, max_length=24).eval()
+    encoder.fusion.gates.data.fill_(1.0)  # gates start at zero: open them so knowledge shows
+    everywhere = encoder.tokenize(["一个红色的番茄"])["token_entity_ids"][0]
+    tomato, red = everywhere == store.id_of("番茄"), everywhere == store.id_of("红色")
+    assert tomato.any() and red.any()
+    encoder.fusion_relations = ["颜色"]
+    ids = encoder.tokenize(["一个红色的番茄"])["token_entity_ids"][0]
+    assert (ids[tomato] == store.id_of("番茄")).all() and (ids[red] == -1).all()
+    with torch.no_grad():
+        word_only = encoder.encode(["一个红色"])
+        with encoder.knowledge_as(False):
+            plain = encoder.encode(["一个红色"])
+        encoder.fusion_relations = None
+        fused = encoder.encode(["一个红色"])
+    assert torch.allclose(word_only, plain) and not torch.allclose(fused, plain)
+    encoder.fusion_relations = ["颜色"]
+    encoder.save_pretrained(tmp_path / "m")
+    loaded = KnowledgeTextEncoder.from_pretrained(tmp_path / "m")
+    assert loaded.fusion_relations == ["颜色"]
+    assert torch.equal(loaded.tokenize(["一个红色的番茄"])["token_entity_ids"][0], ids)
+    with pytest.raises(ValueError, match=r"fusion_relations: \['材质'\] not in the store's relations"):
+        encoder.fusion_relations = ["材质"]
+
+
 def test_a_saved_mask_scope_loads_with_another_store_while_masking_is_off(tmp_path, taiyi_dir, store):
     """A folder saved with mask_relations its new store lacks still loads and encodes with masking
     off (the scope is built on first use); asked to mask, it names the setting."""

@@ -153,6 +153,23 @@ def test_entity_token_dropout_relations_hides_described_entities_and_keeps_attri
     assert clip_train.CLIPTraining(**kwargs, entity_token_dropout_relations=["颜色"])._hideable is None
 
 
+def test_fusion_relations_reach_the_saved_encoder(tiny_setup, tmp_path):
+    """model.fusion_relations=[颜色] keeps knowledge for 番茄 only, in training and in the saved folder
+    the U-Net stage loads; unset, every linked mention gets it."""
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+
+    kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
+    store = str(tiny_setup / "store")
+    module = clip_train.CLIPTraining(**kwargs, knowledge_store=store, fusion_relations=["颜色"])
+    ids = module.model.text_encoder.tokenize(["左边有一个红色的方形", "一个番茄"])["token_entity_ids"]
+    assert ((ids >= 0) == (ids == 0)).all() and (ids == 0).sum() == 2  # 番茄 only
+    module.export(tmp_path / "m")
+    assert KnowledgeTextEncoder.from_pretrained(tmp_path / "m").fusion_relations == ["颜色"]
+    every = clip_train.CLIPTraining(**kwargs, knowledge_store=store).model.text_encoder
+    assert every.fusion_relations is None
+    assert (every.tokenize(["左边有一个红色的方形"])["token_entity_ids"] >= 0).sum() == 4
+
+
 def test_knowledge_item_options_reach_the_saved_fusion_config(tiny_setup, tmp_path):
     """model.knowledge_entity_item=false and knowledge_relation_items=tail are architecture, not
     training tricks: the saved folder's fusion pools the same items when loaded again."""
@@ -220,3 +237,115 @@ def test_image_size_comes_from_the_checkpoint_and_a_different_one_is_named(tmp_p
     assert clip_train.CLIPTraining(init_from=str(folder)).hparams.image_size == 32
     with pytest.raises(ValueError, match=r"model.image_size=224, but .*cnclip was trained at 32²"):
         clip_train.CLIPTraining(init_from=str(folder), image_size=224)
+
+
+def _value_store(path: Path) -> Path:
+    """Objects with colours and shapes: 红色/黄色/蓝色 are the values of 颜色, 方形/三角形 of 形状."""
+    names = ["番茄", "香蕉", "蓝莓", "红色", "黄色", "蓝色", "方形", "三角形"]
+    facts = [(0, 0, 3), (1, 0, 4), (2, 0, 5), (0, 1, 6), (1, 1, 7), (2, 1, 6)]
+    g = torch.Generator().manual_seed(0)
+    vectors, relations = torch.randn(8, 8, generator=g), torch.randn(2, 8, generator=g)
+    KnowledgeStore.from_arrays(names, ["颜色", "形状"], vectors, relations, facts).save(path)
+    return path
+
+
+@pytest.mark.parametrize("max_length", [16, 9])  # 9: the swapped captions are cut as tokenize cuts them
+def test_value_swap_rows_equal_the_tokenized_swapped_captions(tmp_path, max_length):
+    from rapiddiff.train.negatives import ValueSwap
+
+    module = clip_train.CLIPTraining(
+        text_tower="tiny", max_length=max_length, image_tower="resnet10", image_size=32, embed_dim=16,
+        knowledge_store=str(_value_store(tmp_path / "store")),
+    )  # fmt: skip
+    encoder = module.model.text_encoder
+    captions = ["左边有一个红色的方形", "一个番茄", "右边有一个黄色三角形，蓝色背景"]
+    tokens = encoder.tokenize(captions)
+    negatives = ValueSwap(encoder, ["颜色", "形状"])(tokens, 8)
+    alone = ValueSwap(encoder, ["颜色", "形状"])({k: v[2:] for k, v in tokens.items()}, 8)
+    assert all(torch.equal(alone[k][0], negatives[k][2]) for k in alone)  # a row's own draws
+    assert negatives["neg_valid"].tolist() == [[True] * 8, [False] * 8, [True] * 8]
+    assert torch.equal(negatives["neg_input_ids"][1, 0], tokens["input_ids"][1])  # nothing to swap
+    values = {"颜色": ["红色", "黄色", "蓝色"], "形状": ["方形", "三角形"]}
+    for row, caption in enumerate(captions):
+        swaps = [
+            caption.replace(old, new, 1)
+            for group in values.values()
+            for old in group
+            if old in caption
+            for new in group
+            if new != old
+        ]
+        seen = set()
+        for j in range(8):
+            if not negatives["neg_valid"][row, j]:
+                continue
+            variant = {k: negatives[f"neg_{k}"][row, j] for k in ("input_ids", "token_entity_ids")}
+            n = int(negatives["neg_attention_mask"][row, j].sum())
+            matches = []
+            for text in swaps:
+                full = {k: v[0] for k, v in encoder.tokenize([text]).items()}
+                same = all(torch.equal(variant[k][: n - 1], full[k][: n - 1]) for k in variant)
+                # A row tokenize cut can only lose its tail: a shorter name then leaves the row shorter
+                # than the swapped text would tokenize to (the cut words are not in the row).
+                cut = bool(tokens["attention_mask"][row].all())
+                if same and (n == int(full["attention_mask"].sum()) or cut):
+                    assert variant["input_ids"][n - 1] == encoder.tokenizer.sep_token_id
+                    assert (variant["input_ids"][n:] == encoder.tokenizer.pad_token_id).all()
+                    matches.append(text)
+            assert len(matches) == 1, (caption, j, matches)
+            seen.add(matches[0])
+        assert len(seen) > 1 or row == 1  # the variants differ: several swaps are drawn
+    with pytest.raises(ValueError, match=r"hard_negative_relations: \['材质'\] not in the store's relations"):
+        ValueSwap(encoder, ["材质"])
+
+
+def test_contrastive_loss_with_hard_negatives():
+    """The negatives join the image→text candidates (a False one is left out); text→image is unchanged."""
+    from rapiddiff.models.clip import KnowledgeCLIP
+
+    g = torch.Generator().manual_seed(0)
+    text, image = torch.randn(6, 4, generator=g), torch.randn(3, 4, generator=g)
+    model = KnowledgeCLIP.__new__(KnowledgeCLIP)
+    torch.nn.Module.__init__(model)
+    model.logit_scale = torch.nn.Parameter(torch.tensor(1.0))
+    plain = model.contrastive_loss(text[:3], image)
+    assert torch.allclose(model.contrastive_loss(text, image, torch.zeros(3, dtype=torch.bool)), plain)
+    valid = torch.tensor([True, False, True])
+    logits = (
+        torch.e * torch.nn.functional.normalize(text, dim=-1) @ torch.nn.functional.normalize(image, dim=-1).T
+    )
+    target = torch.arange(3)
+    i2t = logits.T[:, [0, 1, 2, 3, 5]]  # the invalid negative (row 4) is not a candidate
+    expected = (
+        torch.nn.functional.cross_entropy(logits[:3], target) + torch.nn.functional.cross_entropy(i2t, target)
+    ) / 2
+    assert torch.allclose(model.contrastive_loss(text, image, valid), expected)
+    assert model.contrastive_loss(text, image, valid) > plain  # harder: more candidates to beat
+
+
+@pytest.mark.parametrize("gpu_data", [True, False])
+def test_training_with_hard_negatives_feeds_them_to_the_loss(tiny_setup, monkeypatch, gpu_data):
+    """model.hard_negative_relations: every training step scores each image against its caption's
+    swapped variant too (the resident path draws from stored variants, the plain path swaps per
+    batch); validation does not."""
+    from rapiddiff.models.clip import KnowledgeCLIP
+
+    tmp = tiny_setup
+    _value_store(tmp / "store")
+    seen: list[tuple[int, int, int]] = []
+    loss = KnowledgeCLIP.contrastive_loss
+
+    def recording(self, text, image, negative_valid=None):
+        valid = -1 if negative_valid is None else int(negative_valid.sum())
+        seen.append((len(text), len(image), valid))
+        return loss(self, text, image, negative_valid)
+
+    monkeypatch.setattr(KnowledgeCLIP, "contrastive_loss", recording)
+    clip_train.cli_main(
+        ["--config", str(_config(tmp, max_steps=3)), "--model.hard_negative_relations=[颜色,形状]",
+         f"--model.speed.gpu_data={str(gpu_data).lower()}"]
+    )  # fmt: skip
+    train = [s for s in seen if s[0] == 2 * s[1]]
+    assert len(train) == 3  # one a step
+    assert all(valid >= 1 for _, _, valid in train)  # a batch of 4 holds attribute captions
+    assert all(valid == -1 for n, m, valid in seen if n == m)  # validation: in-batch negatives only
