@@ -11,7 +11,8 @@ knowledge off was 7.0 against 106.8 for position words (BENCHMARKS.md).
     python benchmarks/kshapes_text_spread.py MODEL [MODEL ...]   # model or CLIP-stage folders
 
 It also prints the centred cosine between colours at the colour word's tokens (neighbouring
-colours, the ones the generator confuses).
+colours, the ones the generator confuses), and the distance between neighbours' whole state sequences
+relative to the mean distance between any two colours (``colour_distances``: 1.0 = a typical pair).
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def colour_cosines(encoder: torch.nn.Module) -> dict[str, float]:
     return {**pairs, "min": float(others.min()), "max": float(others.max())}
 
 
+def colour_distances(encoder: torch.nn.Module) -> dict[str, float]:
+    """Distance between neighbouring colours' states (all token positions), over the mean distance of
+    the 8 colours' 28 pairs: under 1, the pair is closer than a typical one."""
+    template, words = KINDS["colour"]
+    with torch.no_grad():
+        states = encoder.encode([template.format(w) for w in words]).float().flatten(1)
+    dist = torch.cdist(states, states)
+    typical = dist[~torch.eye(len(words), dtype=torch.bool)].mean()
+    pairs = {f"{a}-{b}": float(dist[words.index(a), words.index(b)] / typical) for a, b in NEIGHBOURS}
+    pairs["蓝色-紫色"] = float(dist[words.index("蓝色"), words.index("紫色")] / typical)
+    return pairs
+
+
 def measure(folder: Path) -> dict[str, dict[str, Any]]:
     from rapiddiff.models.text_encoder import KnowledgeTextEncoder
 
@@ -76,6 +90,7 @@ def measure(folder: Path) -> dict[str, dict[str, Any]]:
             for kind, (template, words) in KINDS.items()
         }
         results[mode]["colour_cosines"] = colour_cosines(encoder)
+        results[mode]["colour_distances"] = colour_distances(encoder)
     return results
 
 
@@ -93,6 +108,9 @@ def main() -> None:
         for mode, row in modes.items():
             print(f"| {model} | {mode} | " + " | ".join(f"{row[k]:.1f}" for k in KINDS) + " |")
             print("  colour cosines:", {k: round(v, 2) for k, v in row["colour_cosines"].items()})
+            print(
+                "  colour distances / typical:", {k: round(v, 2) for k, v in row["colour_distances"].items()}
+            )
 
 
 if __name__ == "__main__":
