@@ -285,6 +285,12 @@ class CLIPTraining(RapidModule):
             if hard_negative_relations is not None
             else None
         )
+        if self._swap is not None and not self._swap.values:  # the tower would encode copies for nothing
+            log.warning(
+                "hard_negative_relations %s: no relation has two values in this KG to swap; no hard negatives",
+                hard_negative_relations,
+            )
+            self._swap = None
 
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:

@@ -161,12 +161,14 @@ class PoisonWeights(Callback):
                         p.fill_(float("nan"))
 
 
-def launch_train_unet(cwd: Path, argv: list[str], timeout: int = 400) -> subprocess.CompletedProcess[str]:
-    """`python -m rapiddiff train unet ARGV` in a new process, as a user launches it (DDP/FSDP need
+def launch_train_unet(
+    cwd: Path, argv: list[str], timeout: int = 400, stage: str = "unet"
+) -> subprocess.CompletedProcess[str]:
+    """`python -m rapiddiff train STAGE ARGV` in a new process, as a user launches it (DDP/FSDP need
     their own processes); one OpenMP thread each, this tree on the path. Returns the finished run."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "rapiddiff", "train", "unet", *argv],
+        [sys.executable, "-m", "rapiddiff", "train", stage, *argv],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -299,6 +299,18 @@ def test_value_swap_rows_equal_the_tokenized_swapped_captions(tmp_path, max_leng
         ValueSwap(encoder, ["材质"])
 
 
+def test_hard_negatives_need_a_relation_with_two_values(tiny_setup, caplog):
+    """tiny_setup's KG gives 颜色 one value (红色): nothing to swap, so the step keeps its plain
+    shape and the log says why; without a store the option is refused."""
+    kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
+    module = clip_train.CLIPTraining(
+        **kwargs, knowledge_store=str(tiny_setup / "store"), hard_negative_relations=["颜色"]
+    )
+    assert module._swap is None and "no relation has two values" in caplog.text
+    with pytest.raises(ValueError, match="hard_negative_relations needs a knowledge store"):
+        clip_train.CLIPTraining(**kwargs, hard_negative_relations=["颜色"])
+
+
 def test_contrastive_loss_with_hard_negatives():
     """The negatives join the image→text candidates (a False one is left out); text→image is unchanged."""
     from rapiddiff.models.clip import KnowledgeCLIP
@@ -349,3 +361,20 @@ def test_training_with_hard_negatives_feeds_them_to_the_loss(tiny_setup, monkeyp
     assert len(train) == 3  # one a step
     assert all(valid >= 1 for _, _, valid in train)  # a batch of 4 holds attribute captions
     assert all(valid == -1 for n, m, valid in seen if n == m)  # validation: in-batch negatives only
+
+
+@pytest.mark.slow
+def test_hard_negatives_train_with_ddp_on_two_cpu_processes(tiny_setup):
+    """Two ranks gather captions and hard negatives apart (positives stay rows 0..N-1) and the
+    negatives' flags with them: the run finishes and writes its model."""
+    from tests.train.helpers import launch_train_unet
+
+    tmp = tiny_setup
+    _value_store(tmp / "store")
+    args = ["--config", str(_config(tmp, max_steps=2)), "--model.hard_negative_relations=[颜色,形状]",
+            "--model.speed.cuda_graph=false", "--trainer.strategy=ddp", "--trainer.devices=2",
+            "--trainer.logger=false", "--trainer.callbacks=null", "--trainer.val_check_interval=null",
+            "--data.val=null"]  # fmt: skip
+    result = launch_train_unet(tmp, args, timeout=300, stage="clip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp / "model" / "text_encoder" / "model.safetensors").is_file()

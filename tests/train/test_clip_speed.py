@@ -80,8 +80,8 @@ def test_fast_step_reproduces_the_plain_losses_and_weights(setup: Path, tmp_path
         for key in theirs:  # BatchNorm running statistics included
             assert torch.equal(ours[key], theirs[key]), (name, key)
     fused = run_clip(setup, tmp_path / "fused", steps, *FAST, "--model.speed.fused_adamw=true")
-    for step in plain:  # torch's fused kernel rounds differently (1.4e-4 apart by step 6)
-        assert fused[step] == pytest.approx(plain[step], rel=5e-4, abs=1e-6), step
+    for step in plain:  # torch's fused kernel rounds differently
+        assert fused[step] == pytest.approx(plain[step], rel=1e-4, abs=1e-6), step
 
 
 def test_fast_step_draws_the_plain_steps_hard_negatives(setup: Path, tmp_path: Path) -> None:
