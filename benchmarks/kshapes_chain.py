@@ -120,6 +120,11 @@ class ChainConfig:
     """the knowledge CLIP's ``model.fusion_relations`` (kept by the U-Net stage and the built-in model):
     knowledge only at mentions of entities with facts of these relations, so attribute words are read
     as words with no TransE vector; None: the stage config's."""
+    unet_train_fusion: bool = True
+    """the knowledge U-Net trains the fusion with it (``configs/unet/kshapes.yaml``: trainable [unet,
+    fusion]); False keeps the fusion as the CLIP stage left it (trainable [unet], the text states
+    cached once). The U-Net stage pulls neighbouring colours' fused states together (BENCHMARKS.md,
+    issue 18, "hard negatives": 0.78 -> 0.61 of a typical pair); not yet measured."""
     clip_hard_negatives: list[str] | None = None
     """the knowledge CLIP's ``model.hard_negative_relations``: each attribute caption's variant with
     one value of these relations swapped (红色 → 黄色) as an extra negative; None: the stage config's."""
@@ -367,13 +372,14 @@ class Chain:
 
     def unet_training(self, name: str, encoders: str, knowledge: bool, data: list[str]) -> list[str]:
         text = [f"--model.text_encoder={self.out / encoders}"]
-        if not knowledge:  # no store, so no fusion to train: the U-Net alone
+        frozen_text = not knowledge or not self.cfg.unet_train_fusion
+        if frozen_text:  # no store, or the fusion kept as it is: the U-Net alone
             text.append("--model.trainable=[unet]")
         if self.cfg.unet_speed:
             text += ["--model.speed.gpu_data=true", "--model.speed.foreach_ema=true",
                      "--model.speed.cuda_graph=true", "--model.optim.fused=true",
                      "--model.speed.sync_every=10"]  # fmt: skip
-            if not knowledge:  # frozen text side: its states are cached once
+            if frozen_text:  # frozen text side: its states are cached once
                 text.append("--model.speed.cache_text=true")
         text += self.schedule_overrides()
         return self.training(

@@ -228,6 +228,15 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
     cfg.unet_rounds = 3
     with pytest.raises(SystemExit, match="unet_rounds: 1 or 2"):
         chain.Chain(tmp_path / "x", cfg, smoke=True)
+    # unet_train_fusion=false: the knowledge U-Net trains alone, on its encoders' states cached once
+    cfg.unet_rounds = 1
+    commands = {}
+    for train_fusion in (True, False):
+        cfg.unet_train_fusion = train_fusion
+        run = chain.Chain(tmp_path / str(train_fusion), cfg, smoke=True)
+        commands[train_fusion] = run.unet_training("unet_on", "clip_on", True, [])
+    for flag in ("--model.trainable=[unet]", "--model.speed.cache_text=true"):
+        assert flag in commands[False] and flag not in commands[True]
 
 
 def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_results(
