@@ -124,7 +124,8 @@ class ChainConfig:
     """the knowledge U-Net trains the fusion with it (``configs/unet/kshapes.yaml``: trainable [unet,
     fusion]); False keeps the fusion as the CLIP stage left it (trainable [unet], the text states
     cached once). The U-Net stage pulls neighbouring colours' fused states together (BENCHMARKS.md,
-    issue 18, "hard negatives": 0.78 -> 0.61 of a typical pair); not yet measured."""
+    issue 18, "hard negatives": 0.78 -> 0.61 of a typical pair), yet frozen (2 seeds, the same CLIP
+    stages) attribute captions do not move and held-out entities with the vectors alone lose 8–12 points."""
     clip_hard_negatives: list[str] | None = None
     """the knowledge CLIP's ``model.hard_negative_relations``: each attribute caption's variant with
     one value of these relations swapped (红色 → 黄色) as an extra negative; None: the stage config's."""

@@ -66,7 +66,9 @@ else
   mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
   # with unet_rounds=2, CARRIED holds a ROUND1=1 call's round1/ packs (round one's encoders: the
   # second round alone fits one call)
-  timeout 560 python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
+  # CHAIN_TIMEOUT: less than 560 s when the session has less device time left (the summary of what
+  # finished still comes back; a call cut by the device budget returns nothing)
+  timeout "${CHAIN_TIMEOUT:-560}" python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
     --vae /tmp/vae_best/vae --workers 2 "${sets[@]/#/--set=}" > "$out/chain_unet.log" 2>&1 &
   chain=$!
   if [ -n "${ROUND1:-}" ]; then  # as soon as round one's U-Nets exist, pack their encoders beside the evaluation
