@@ -360,15 +360,21 @@ class CLIPTraining(RapidModule):
         # (speed.gpu_data: training batches are positions; their tokens are on the device already.)
         if "text" in batch:
             batch.update(self._tokens(list(batch["text"])))
-            if self._swap is not None and self.training:  # the captions' variants; one drawn a step
-                tokens = {k: batch[k] for k in ("input_ids", "attention_mask", "token_entity_ids")}
-                batch.update(self._swap(tokens, NEGATIVE_VARIANTS))
         return batch
 
     def _tokens(self, captions: list[str]) -> dict[str, torch.Tensor]:
         if self._tokenize is None:
-            self._tokenize = TokenMemo(self.model.text_encoder.tokenize)
+            self._tokenize = TokenMemo(self._tokens_and_negatives)
         return self._tokenize(captions)
+
+    def _tokens_and_negatives(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """``tokenize``'s rows and, with hard negatives, each caption's variants (``neg_*``, [N, K, ...]):
+        memoised together, and on the device beside the tokens with ``speed.gpu_data``; the training
+        step draws one variant per caption."""
+        tokens = self.model.text_encoder.tokenize(captions)
+        if self._swap is not None:
+            tokens.update(self._swap(tokens, NEGATIVE_VARIANTS))
+        return tokens
 
     def hide_entity_tokens(
         self, input_ids: torch.Tensor, token_entity_ids: torch.Tensor, fixed_shapes: bool | None = None
@@ -428,7 +434,10 @@ class CLIPTraining(RapidModule):
         text = self.model.text_features(input_ids, mask, entities)
         image = self.model.image_features(batch["pixel_values"])
         if self.trainer.world_size > 1:  # negatives from every GPU, as Chinese-CLIP does
-            gather = lambda x: self.all_gather(x, sync_grads=True).flatten(0, 1)  # noqa: E731
+
+            def gather(x: torch.Tensor) -> torch.Tensor:
+                return self.all_gather(x, sync_grads=True).flatten(0, 1)
+
             if negatives:  # captions and hard negatives gathered apart: positives stay rows 0..N-1
                 half = len(batch["input_ids"])
                 text = torch.cat([gather(text[:half]), gather(text[half:])])
@@ -536,12 +545,7 @@ class CLIPTraining(RapidModule):
             workers = getattr(self.trainer.datamodule, "num_workers", 0) if self._trainer else 0
             started = time.perf_counter()
             self._resident = ResidentPairs.build(
-                getattr(dataset, "source", dataset),
-                self._tokens,
-                self.device,
-                loader.batch_size,
-                workers,
-                negatives=self._swap,
+                getattr(dataset, "source", dataset), self._tokens, self.device, loader.batch_size, workers
             )
             self.resident_seconds = time.perf_counter() - started
             log.info(
@@ -569,28 +573,15 @@ class ResidentPairs:
     Positions are the dataset's: an item that failed to decode holds what the loader gave in its
     place (the next good item), as the plain step would see it."""
 
-    def __init__(
-        self,
-        images: torch.Tensor,
-        tokens: dict[str, torch.Tensor],
-        hflip: bool,
-        negatives: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, images: torch.Tensor, tokens: dict[str, torch.Tensor], hflip: bool) -> None:
         self.images = images  # (N, 3, S, S) uint8 or float32
-        self.tokens = tokens  # {name: (N, L)}
+        self.tokens = tokens  # {name: (N, L)}, and the hard negatives' {neg_*: (N, K, ...)}
         self.hflip = hflip
-        self.negatives = negatives  # {neg_*: (N, K, ...)}: K hard negatives a caption
 
     @classmethod
     @torch.no_grad()
     def build(
-        cls,
-        dataset: Any,
-        tokenize: Any,
-        device: torch.device,
-        batch_size: int,
-        workers: int,
-        negatives: ValueSwap | None = None,
+        cls, dataset: Any, tokenize: Any, device: torch.device, batch_size: int, workers: int
     ) -> ResidentPairs:
         from torch.utils.data import DataLoader
 
@@ -620,15 +611,11 @@ class ResidentPairs:
         if not exact:  # a transform whose values are not u/127.5 - 1: keep the floats themselves
             log.info("speed.gpu_data: the images are not 8-bit levels; kept as float32")
             images = [pixels_of(x) if x.dtype == torch.uint8 else x for x in images]
-        tokens = tokenize(texts)
-        swapped = None
-        if negatives is not None:  # the variants of every caption, as the plain step makes them per batch
-            swapped = {k: v.to(device) for k, v in negatives(tokens, NEGATIVE_VARIANTS).items()}
-        tokens = {k: v.to(device) for k, v in tokens.items()}
-        return cls(torch.cat(images).to(device), tokens, hflip, swapped)
+        tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
+        return cls(torch.cat(images).to(device), tokens, hflip)
 
     def nbytes(self) -> int:
-        tensors = [self.images, *self.tokens.values(), *(self.negatives or {}).values()]
+        tensors = [self.images, *self.tokens.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def batch(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -639,10 +626,7 @@ class ResidentPairs:
         if self.hflip:  # the loader's transform flips each image with chance 1/2
             flip = torch.rand(len(positions), device=pixels.device) < 0.5
             pixels = torch.where(flip.view(-1, 1, 1, 1), pixels.flip(-1), pixels)
-        batch = {"pixel_values": pixels, **{k: v[positions] for k, v in self.tokens.items()}}
-        if self.negatives is not None:
-            batch.update({k: v[positions] for k, v in self.negatives.items()})
-        return batch
+        return {"pixel_values": pixels, **{k: v[positions] for k, v in self.tokens.items()}}
 
 
 def pixels_of(codes: torch.Tensor) -> torch.Tensor:
