@@ -174,8 +174,8 @@ class CLIPTraining(RapidModule):
         fusion_relations: add knowledge only at mentions of entities that head a fact of one of
             these relations, so the attribute words (红色, entities too) are read as words with no
             TransE vector added; saved with the encoder, so the U-Net stage and inference do the same.
-            None: knowledge at every linked mention. A value word's vector carries what the KG says
-            about it, which on kshapes makes neighbouring hues' states alike (BENCHMARKS.md, issue 18).
+            None: knowledge at every linked mention. On kshapes it drew worse (attribute captions
+            90.3 → 83.6 %, held-out entities 87.8 → 83.3 %, 3 seeds; BENCHMARKS.md, issue 18).
         hard_negative_relations: add, for each caption that names a value of one of these relations
             (红色 for 颜色), the caption with that value swapped for another (黄色) as an extra negative
             of its image (NegCLIP's hard negatives, chosen by the KG: :mod:`rapiddiff.train.negatives`),
