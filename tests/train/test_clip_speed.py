@@ -241,15 +241,21 @@ def test_fixed_shape_hiding_on_the_gpu_draws_what_the_counted_draw_drew(
 
 
 @pytest.mark.gpu
-def test_captured_step_matches_the_plain_step_on_the_gpu(setup: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hard_negatives", [False, True])
+def test_captured_step_matches_the_plain_step_on_the_gpu(
+    setup: Path, tmp_path: Path, hard_negatives: bool
+) -> None:
     """On a GPU the plain step is not bit-reproducible (embedding and cuDNN backward sum with atomics:
     on the H100 two plain runs part at ~1e-5 from the third step), so the captured step is held to
     the plain step's own run-to-run spread, not to zero. A capture that changed the arithmetic —
-    e.g. BatchNorm statistics updated twice at capture time — is far outside it."""
+    e.g. BatchNorm statistics updated twice at capture time — is far outside it. With
+    ``hard_negatives`` the KG has values to swap, so the captured step also takes the negatives."""
     from safetensors.torch import load_file
 
     steps = GRAPH_WARMUP_STEPS + 5
     gpu = ["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", "--model.speed.fused_adamw=false"]
+    if hard_negatives:
+        gpu.append(f"--model.knowledge_store={_value_store(tmp_path / 'store')}")
     plain = run_clip(setup, tmp_path / "plain", steps, *gpu)
     again = run_clip(setup, tmp_path / "again", steps, *gpu)
     fast = run_clip(setup, tmp_path / "fast", steps, *gpu, *FAST)
