@@ -131,6 +131,14 @@ class ChainConfig:
     one value of these relations swapped (红色 → 黄色) as an extra negative; None: the stage config's."""
 
 
+# ChainConfig keys that set a relation list of the knowledge CLIP stage → its model option
+CLIP_RELATION_OPTIONS = {
+    "clip_hide_relations": "entity_token_dropout_relations",
+    "clip_fusion_relations": "fusion_relations",
+    "clip_hard_negatives": "hard_negative_relations",
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="working folder (resumable)")
@@ -304,16 +312,10 @@ class Chain:
                 knowledge = (
                     [f"--model.knowledge_store={store}"] if mode == "on" else ["--model.knowledge=false"]
                 )
-                if mode == "on" and self.cfg.clip_hide_relations is not None:
-                    knowledge.append(
-                        f"--model.entity_token_dropout_relations=[{','.join(self.cfg.clip_hide_relations)}]"
-                    )
-                if mode == "on" and self.cfg.clip_fusion_relations is not None:
-                    knowledge.append(f"--model.fusion_relations=[{','.join(self.cfg.clip_fusion_relations)}]")
-                if mode == "on" and self.cfg.clip_hard_negatives is not None:
-                    knowledge.append(
-                        f"--model.hard_negative_relations=[{','.join(self.cfg.clip_hard_negatives)}]"
-                    )
+                for key, option in CLIP_RELATION_OPTIONS.items():  # the chain's overrides, when set
+                    relations = getattr(self.cfg, key)
+                    if mode == "on" and relations is not None:
+                        knowledge.append(f"--model.{option}=[{','.join(relations)}]")
                 jobs[f"clip_{mode}"] = self.training("clip", self.cfg.clip, out, *data, *knowledge)
         if self.train_vae and not _done(self.out / "vae"):
             jobs["vae"] = self.training("vae", self.cfg.vae, self.out / "vae", *data)

@@ -95,6 +95,16 @@ def encoder_layers(text_model: nn.Module) -> nn.ModuleList:
     )
 
 
+def relation_ids(store: Any, relations: Sequence[str], what: str = "relations") -> list[int]:
+    """The store's ids of ``relations``; an unknown name is an error naming ``what`` (the setting)
+    and the store's relations."""
+    names = store.relation_names
+    unknown = [r for r in relations if r not in names]
+    if unknown:
+        raise ValueError(f"{what}: {unknown} not in the store's relations ({', '.join(names)})")
+    return [names.index(r) for r in relations]
+
+
 def entities_with_facts(
     store: Any, relations: Sequence[str] | None, what: str = "relations"
 ) -> torch.Tensor | None:
@@ -103,12 +113,8 @@ def entities_with_facts(
     ``relations`` or ``store`` is None. ``what`` names the setting in the error for an unknown relation."""
     if relations is None or store is None:
         return None
-    names = store.relation_names
-    unknown = [r for r in relations if r not in names]
-    if unknown:
-        raise ValueError(f"{what}: {unknown} not in the store's relations ({', '.join(names)})")
     triples = store.triples
-    chosen = torch.isin(triples[:, 1], torch.tensor([names.index(r) for r in relations]))
+    chosen = torch.isin(triples[:, 1], torch.tensor(relation_ids(store, relations, what)))
     heads = torch.zeros(len(store), dtype=torch.bool)
     heads[triples[chosen, 0]] = True
     return heads
@@ -299,8 +305,7 @@ class KnowledgeTextEncoder(nn.Module):
 
     @mask_relations.setter
     def mask_relations(self, relations: Sequence[str] | None) -> None:
-        entities_with_facts(self.store, relations, "mask_relations")  # checks the names
-        self._mask_relations = list(relations) if relations is not None else None
+        self._mask_relations = self._checked(relations, "mask_relations")
 
     @property
     def fusion_relations(self) -> list[str] | None:
@@ -308,8 +313,15 @@ class KnowledgeTextEncoder(nn.Module):
 
     @fusion_relations.setter
     def fusion_relations(self, relations: Sequence[str] | None) -> None:
-        entities_with_facts(self.store, relations, "fusion_relations")  # checks the names
-        self._fusion_relations = list(relations) if relations is not None else None
+        self._fusion_relations = self._checked(relations, "fusion_relations")
+
+    def _checked(self, relations: Sequence[str] | None, setting: str) -> list[str] | None:
+        """``relations`` as a list, their names checked against the store when there is one."""
+        if relations is None:
+            return None
+        if self.store is not None:
+            relation_ids(self.store, relations, setting)
+        return list(relations)
 
     def _heads_of(self, setting: str) -> torch.Tensor | None:
         """[n_entities] bool: the heads of a fact of the relations ``setting`` ("mask_relations" or

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+from rapiddiff.models.text_encoder import KnowledgeTextEncoder, relation_ids
 
 __all__ = ["ValueSwap"]
 
@@ -39,20 +39,14 @@ class ValueSwap:
         store = encoder.store
         if store is None:
             raise ValueError("hard_negative_relations needs a knowledge store: the KG names the values")
-        names = store.relation_names
-        unknown = [r for r in relations if r not in names]
-        if unknown:
-            raise ValueError(
-                f"hard_negative_relations: {unknown} not in the store's relations ({', '.join(names)})"
-            )
         tokenizer = encoder.tokenizer
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         triples = store.triples
         self.group = torch.full((len(store),), -1, dtype=torch.long)  # entity → its value group, or -1
         self.values: list[list[int]] = []  # group → value entity ids
         self.spelling: dict[int, list[int]] = {}  # value entity → its name's token ids
-        for relation in relations:
-            tails = torch.unique(triples[triples[:, 1] == names.index(relation), 2]).tolist()
+        for relation in relation_ids(store, relations, "hard_negative_relations"):
+            tails = torch.unique(triples[triples[:, 1] == relation, 2]).tolist()
             tails = [t for t in tails if self.group[t] < 0]  # a value of two relations: its first
             if len(tails) < 2:
                 continue  # nothing to swap for

@@ -324,3 +324,25 @@ def test_one_guidance_candidate_is_used_unswept_and_set_overrides_the_config(cha
     on = jobs["knowledge_unet-on"]
     assert on[on.index("--guidance") + 1] == "3.0"
     assert on[on.index("--modes") + 1] == "on,off,both"  # the shipped mode, without the text ceiling
+
+
+def test_the_chains_relation_keys_reach_the_knowledge_clip_only(chain, tmp_path, monkeypatch):
+    """clip_hide_relations / clip_fusion_relations / clip_hard_negatives become the knowledge CLIP's
+    options; the knowledge-off CLIP gets none of them; unset keys add nothing."""
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    cfg.train_off = True
+    cfg.clip_hide_relations, cfg.clip_hard_negatives = ["颜色", "形状"], ["颜色"]
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    (tmp_path / "kg").mkdir()
+    (tmp_path / "kg" / "config.json").write_text("{}", "utf-8")  # TransE done
+    jobs: dict[str, list[str]] = {}
+    monkeypatch.setattr(run, "ensure_data", lambda: None)
+    monkeypatch.setattr(run, "run_parallel", jobs.update)
+    monkeypatch.setattr(run, "recall", lambda: None)
+    run.prep()
+    on = [a for a in jobs["clip_on"] if "relations=" in a]
+    assert on == [
+        "--model.entity_token_dropout_relations=[颜色,形状]",
+        "--model.hard_negative_relations=[颜色]",
+    ]
+    assert not [a for a in jobs["clip_off"] if "relations=" in a]
