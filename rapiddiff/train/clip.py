@@ -280,17 +280,22 @@ class CLIPTraining(RapidModule):
         self.register_buffer("_hideable", hideable, persistent=False)
         if mask_entity_mentions and hideable is not None:  # inference masks what training hid
             self.model.text_encoder.mask_relations = entity_token_dropout_relations
-        self._swap = (
-            ValueSwap(self.model.text_encoder, hard_negative_relations)
-            if hard_negative_relations is not None
-            else None
-        )
-        if self._swap is not None and not self._swap.values:  # the tower would encode copies for nothing
+        self._swap: ValueSwap | None = None
+        if hard_negative_relations is not None and store is None:
+            # The knowledge-off ablation (model.knowledge=false) of a config that sets them: no KG
+            # to name the values, so no hard negatives — logged, not an error, so the ablation runs.
             log.warning(
-                "hard_negative_relations %s: no relation has two values in this KG to swap; no hard negatives",
+                "hard_negative_relations %s: no knowledge store, so no hard negatives",
                 hard_negative_relations,
             )
-            self._swap = None
+        elif hard_negative_relations is not None:
+            self._swap = ValueSwap(self.model.text_encoder, hard_negative_relations)
+            if not self._swap.values:  # the tower would encode copies for nothing
+                log.warning(
+                    "hard_negative_relations %s: no relation has two values in this KG to swap; no hard negatives",
+                    hard_negative_relations,
+                )
+                self._swap = None
 
     # ------------------------------------------------------------------ setup
     def _apply_freeze(self, freeze: str) -> None:

@@ -301,14 +301,21 @@ def test_value_swap_rows_equal_the_tokenized_swapped_captions(tmp_path, max_leng
 
 def test_hard_negatives_need_a_relation_with_two_values(tiny_setup, caplog):
     """tiny_setup's KG gives 颜色 one value (红色): nothing to swap, so the step keeps its plain
-    shape and the log says why; without a store the option is refused."""
+    shape and the log says why. Knowledge off (the chain's ablation, same config): no store to name
+    the values, so none either, logged; ValueSwap itself refuses an encoder without a store."""
+    from rapiddiff.train.negatives import ValueSwap
+
     kwargs = dict(text_tower="tiny", max_length=16, image_tower="resnet10", image_size=32, embed_dim=16)
     module = clip_train.CLIPTraining(
         **kwargs, knowledge_store=str(tiny_setup / "store"), hard_negative_relations=["颜色"]
     )
     assert module._swap is None and "no relation has two values" in caplog.text
+    off = clip_train.CLIPTraining(
+        **kwargs, knowledge_store=str(tiny_setup / "store"), knowledge=False, hard_negative_relations=["颜色"]
+    )
+    assert off._swap is None and "no knowledge store, so no hard negatives" in caplog.text
     with pytest.raises(ValueError, match="hard_negative_relations needs a knowledge store"):
-        clip_train.CLIPTraining(**kwargs, hard_negative_relations=["颜色"])
+        ValueSwap(off.model.text_encoder, ["颜色"])
 
 
 def test_contrastive_loss_with_hard_negatives():
