@@ -132,6 +132,8 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
     object): ``"centre"`` (x, y) of its bounding box (where :class:`ShapeSpec` puts a shape),
     ``"centroid"`` (x, y) and ``"orientation"``, its principal axis in degrees (0 = horizontal).
     These let the evaluation re-render what the detector read (rapiddiff.eval.consistency).
+    ``"lab"`` is the object's CIELAB colour, the one its colour name is the nearest palette entry to
+    (how far a miss lies from the asked colour: benchmarks/kshapes_miss_hues.py).
     """
     from scipy import ndimage
 
@@ -166,6 +168,7 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
         "centre": None,
         "centroid": None,
         "orientation": None,
+        "lab": None,
     }
 
     d_bg = np.linalg.norm(lab - bg, axis=-1)
@@ -189,6 +192,7 @@ def detect_attributes(image: Image.Image, *, layout: str = "row3") -> dict[str, 
         centroid=[float(xs.mean() + 0.5) / w, float(ys.mean() + 0.5) / h],  # pixel centres
         orientation=float(np.degrees(np.arctan2(axis[1], axis[0])) % 180.0),
         colour=_nearest(obj, COLOUR_LAB),
+        lab=[float(v) for v in obj],
         shape=classify_shape(shape_features(mask)),
         position=min(positions, key=lambda p: (p[1] - cx) ** 2 + (p[2] - cy) ** 2)[0],
         area=float(mask.sum()) / (h * w),
