@@ -129,6 +129,11 @@ class ChainConfig:
     clip_hard_negatives: list[str] | None = None
     """the knowledge CLIP's ``model.hard_negative_relations``: each attribute caption's variant with
     one value of these relations swapped (红色 → 黄色) as an extra negative; None: the stage config's."""
+    unet_architecture: dict[str, Any] | None = None
+    """U-Net config keys to change in the kshapes preset (``{block_out_channels: [128, 256, 256]}``):
+    the U-Nets train from a random init of that architecture (OUT/unet_architecture.json, given to the
+    stage as ``model.unet``); None: the preset. A capacity test: the built-in folder's ≤ 25 MB bounds
+    what ships, not what the chain can measure."""
 
 
 # ChainConfig keys that set a relation list of the knowledge CLIP stage → its model option
@@ -385,9 +390,31 @@ class Chain:
             if frozen_text:  # frozen text side: its states are cached once
                 text.append("--model.speed.cache_text=true")
         text += self.schedule_overrides()
+        if self.cfg.unet_architecture:
+            text.append(f"--model.unet={self.write_unet_architecture()}")
         return self.training(
             "unet", self.cfg.unet, self.out / name, *data, f"--model.vae={self.out / 'vae'}", *text
         )
+
+    def write_unet_architecture(self) -> Path:
+        """OUT/unet_architecture.json: the kshapes preset with ``unet_architecture``'s keys changed."""
+        import inspect
+
+        from diffusers import UNet2DConditionModel
+
+        from rapiddiff.models.presets import unet_config
+        from rapiddiff.utils.config import did_you_mean
+
+        valid = set(inspect.signature(UNet2DConditionModel.__init__).parameters) - {"self"}
+        for key in self.cfg.unet_architecture or {}:
+            if key not in valid:  # diffusers would only warn and build the preset's U-Net
+                raise SystemExit(
+                    f"unet_architecture: {key!r} is not a UNet2DConditionModel key{did_you_mean(key, valid)}"
+                )
+        path = self.out / "unet_architecture.json"
+        config = {**unet_config("kshapes"), **(self.cfg.unet_architecture or {})}
+        path.write_text(json.dumps(config, indent=1), encoding="utf-8")
+        return path
 
     def choose_guidance(self) -> float | None:
         """The CFG scale for the evaluation and the built-in model: each of ``guidance_candidates`` on

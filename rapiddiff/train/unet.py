@@ -129,8 +129,8 @@ class LatentDiffusion(RapidModule):
     Args:
         pretrained: a model folder (rapiddiff, Taiyi or SD 1.x) to start from; when set, the U-Net,
             VAE, text encoder and scheduler come from it and the four arguments below are ignored.
-        unet: a U-Net preset ("kshapes", "sd15", "tiny") for random init, or a folder
-            (``unet/`` of a model folder, or the folder itself).
+        unet: a U-Net preset ("kshapes", "sd15", "tiny") or a diffusers ``config.json`` file for
+            random init, or a folder to start from (``unet/`` of a model folder, or the folder itself).
         vae: a trained AutoencoderKL folder (``rapiddiff train vae`` output, or ``vae/`` of a model
             folder); a preset name gives a random VAE (tests and benchmarks only).
         text_encoder: a folder with ``text_encoder/`` + ``tokenizer/`` (a model folder or the CLIP
@@ -915,6 +915,8 @@ def load_components(
     else:
         if _is_preset(unet, presets.PRESETS):
             unet_model = UNet2DConditionModel(**presets.unet_config(unet))
+        elif Path(unet).is_file():  # a config.json alone: another architecture, random init
+            unet_model = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet))
         else:
             unet_model = UNet2DConditionModel.from_pretrained(str(_subfolder(Path(unet), "unet")))
         if _is_preset(vae, presets.PRESETS):

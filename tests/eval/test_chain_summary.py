@@ -237,6 +237,16 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
         commands[train_fusion] = run.unet_training("unet_on", "clip_on", True, [])
     for flag in ("--model.trainable=[unet]", "--model.speed.cache_text=true"):
         assert flag in commands[False] and flag not in commands[True]
+    # unet_architecture: the U-Nets start from a random init of the preset with those keys changed
+    assert not any(a.startswith("--model.unet=") for a in commands[True])  # None: the stage's preset
+    cfg.unet_architecture = {"block_out_channels": [128, 256, 256]}
+    run = chain.Chain(tmp_path / "wide", cfg, smoke=True)
+    written = Path(arg(run.unet_training("unet_on", "clip_on", True, []), "--model.unet"))
+    config = json.loads(written.read_text("utf-8"))
+    assert config["block_out_channels"] == [128, 256, 256] and config["cross_attention_dim"] == 128
+    cfg.unet_architecture = {"block_out_channel": [128, 256, 256]}
+    with pytest.raises(SystemExit, match="did you mean 'block_out_channels'"):
+        chain.Chain(tmp_path / "typo", cfg, smoke=True).unet_training("unet_on", "clip_on", True, [])
 
 
 def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_results(

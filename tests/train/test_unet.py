@@ -165,6 +165,19 @@ def test_missing_folder_names_what_was_expected(tmp_path: Path) -> None:
         unet_stage.LatentDiffusion(unet="tiny", vae=str(tmp_path), text_encoder="tiny")
 
 
+def test_a_config_file_builds_a_fresh_unet_of_that_architecture(tmp_path: Path) -> None:
+    import json
+
+    from rapiddiff.models.presets import unet_config
+
+    config = {**unet_config("tiny"), "block_out_channels": [32, 32]}
+    (tmp_path / "unet.json").write_text(json.dumps(config), encoding="utf-8")
+    module = unet_stage.LatentDiffusion(unet=str(tmp_path / "unet.json"), vae="tiny", text_encoder="tiny")
+    assert list(module.unet.config.block_out_channels) == [32, 32]
+    # built from the file, not the preset
+    assert module.unet.down_blocks[1].resnets[0].conv1.out_channels == 32
+
+
 def test_v_prediction_min_snr_and_noise_offset(data: Path) -> None:
     from rapiddiff.train.unet import DiffusionLoss
 
