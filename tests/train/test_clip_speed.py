@@ -253,7 +253,11 @@ def test_captured_step_matches_the_plain_step_on_the_gpu(
     from safetensors.torch import load_file
 
     steps = GRAPH_WARMUP_STEPS + 5
-    gpu = ["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", "--model.speed.fused_adamw=false"]
+    # A small learning rate: at the config's (5e-4 from step 1, batch 4) the losses jump 1.5 → 3.8 → 1.5
+    # and the atomics' 1e-5 grow chaotically — two plain runs parted by 0.15 on the H100 and the
+    # captured run by 1.6 at step 7 (2026-11-25), while on the CPU all three agree bit for bit.
+    gpu = ["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", "--model.speed.fused_adamw=false",
+           "--model.lr=2e-5", "--model.fusion_lr=2e-5"]  # fmt: skip
     if hard_negatives:
         gpu.append(f"--model.knowledge_store={_value_store(tmp_path / 'store')}")
     plain = run_clip(setup, tmp_path / "plain", steps, *gpu)
@@ -261,7 +265,7 @@ def test_captured_step_matches_the_plain_step_on_the_gpu(
     fast = run_clip(setup, tmp_path / "fast", steps, *gpu, *FAST)
     spread = max(abs(again[s] - plain[s]) for s in plain)
     for step in plain:
-        assert abs(fast[step] - plain[step]) <= 10 * spread + 1e-5, (step, fast[step], plain[step], spread)
+        assert abs(fast[step] - plain[step]) <= 10 * spread + 1e-5, (step, fast, plain, again)
     name = "vision/model.safetensors"  # BatchNorm statistics updated once a step, not twice at capture
     ours, theirs, twin = (load_file(tmp_path / run / "model" / name) for run in ("fast", "plain", "again"))
 
