@@ -17,6 +17,9 @@
 # what finished. The chain resumes (a finished stage, sweep or evaluation is not redone): the same
 # command again within the machine's idle release (30 s; it keeps /tmp) completes it — 132 s more on
 # 2026-11-24, then the whole summary and the chosen seed's model (BENCHMARKS.md, issue 18, 19:38).
+# The device tool takes a machine back after 30 minutes held, warm or not: a `unet` call that starts
+# with less than ~13 minutes of the hold left resumes on a fresh machine, without the trained U-Nets
+# in /tmp (2026-11-25: one 3-seed run kept only its attribute captions and seed 0).
 set -u
 part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
 if [ "$part" = wheels ]; then
