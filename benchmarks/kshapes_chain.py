@@ -398,19 +398,12 @@ class Chain:
 
     def write_unet_architecture(self) -> Path:
         """OUT/unet_architecture.json: the kshapes preset with ``unet_architecture``'s keys changed."""
-        import inspect
+        from rapiddiff.models.presets import check_unet_config, unet_config
 
-        from diffusers import UNet2DConditionModel
-
-        from rapiddiff.models.presets import unet_config
-        from rapiddiff.utils.config import did_you_mean
-
-        valid = set(inspect.signature(UNet2DConditionModel.__init__).parameters) - {"self"}
-        for key in self.cfg.unet_architecture or {}:
-            if key not in valid:  # diffusers would only warn and build the preset's U-Net
-                raise SystemExit(
-                    f"unet_architecture: {key!r} is not a UNet2DConditionModel key{did_you_mean(key, valid)}"
-                )
+        try:  # here, not in the stage: a typo stops the chain before any U-Net starts
+            check_unet_config(self.cfg.unet_architecture or {}, "unet_architecture")
+        except ValueError as err:
+            raise SystemExit(str(err)) from err
         path = self.out / "unet_architecture.json"
         config = {**unet_config("kshapes"), **(self.cfg.unet_architecture or {})}
         path.write_text(json.dumps(config, indent=1), encoding="utf-8")

@@ -178,6 +178,25 @@ def unet_config(name: str = "sd15") -> dict[str, Any]:
     return json.loads(json.dumps(_UNETS[name]))
 
 
+def check_unet_config(config: dict[str, Any], where: str) -> None:
+    """Raise ValueError unless ``config`` is ``UNet2DConditionModel`` keyword arguments: diffusers'
+    ``from_config`` only warns about an unknown key and builds its default for it, so a typo (or a
+    VAE's config.json) would silently train another architecture."""
+    import inspect
+
+    from diffusers import UNet2DConditionModel
+
+    from rapiddiff.utils.config import did_you_mean
+
+    kind = config.get("_class_name", "UNet2DConditionModel")
+    if kind != "UNet2DConditionModel":
+        raise ValueError(f"{where}: _class_name is {kind}; expected a UNet2DConditionModel config")
+    valid = set(inspect.signature(UNet2DConditionModel.__init__).parameters) - {"self"}
+    for key in config:
+        if not key.startswith("_") and key not in valid:
+            raise ValueError(f"{where}: {key!r} is not a UNet2DConditionModel key{did_you_mean(key, valid)}")
+
+
 def vae_config(name: str = "sd15") -> dict[str, Any]:
     """``AutoencoderKL`` keyword arguments for a preset (a fresh copy)."""
     _check(name, _VAES, "VAE")

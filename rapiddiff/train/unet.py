@@ -916,7 +916,9 @@ def load_components(
         if _is_preset(unet, presets.PRESETS):
             unet_model = UNet2DConditionModel(**presets.unet_config(unet))
         elif Path(unet).is_file():  # a config.json alone: another architecture, random init
-            unet_model = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet))
+            config = UNet2DConditionModel.load_config(unet)
+            presets.check_unet_config(config, unet)
+            unet_model = UNet2DConditionModel.from_config(config)
         else:
             unet_model = UNet2DConditionModel.from_pretrained(str(_subfolder(Path(unet), "unet")))
         if _is_preset(vae, presets.PRESETS):

@@ -176,6 +176,14 @@ def test_a_config_file_builds_a_fresh_unet_of_that_architecture(tmp_path: Path) 
     assert list(module.unet.config.block_out_channels) == [32, 32]
     # built from the file, not the preset
     assert module.unet.down_blocks[1].resnets[0].conv1.out_channels == 32
+    # diffusers would build a U-Net from a VAE's config.json, or ignore a misspelt key: both are refused
+    vae_config = {"_class_name": "AutoencoderKL", "block_out_channels": [32, 32]}
+    (tmp_path / "vae.json").write_text(json.dumps(vae_config), encoding="utf-8")
+    with pytest.raises(ValueError, match="_class_name is AutoencoderKL; expected a UNet2DConditionModel"):
+        unet_stage.LatentDiffusion(unet=str(tmp_path / "vae.json"), vae="tiny", text_encoder="tiny")
+    (tmp_path / "typo.json").write_text(json.dumps({**config, "layers_per_blok": 2}), encoding="utf-8")
+    with pytest.raises(ValueError, match="did you mean 'layers_per_block'"):
+        unet_stage.LatentDiffusion(unet=str(tmp_path / "typo.json"), vae="tiny", text_encoder="tiny")
 
 
 def test_v_prediction_min_snr_and_noise_offset(data: Path) -> None:
