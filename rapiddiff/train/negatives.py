@@ -73,17 +73,17 @@ class ValueSwap:
         for row in (groups >= 0).any(1).nonzero().flatten().tolist():
             runs = _runs(entities[row], groups[row])
             used = int(mask[row].sum())
+            row_ids, row_entities = ids[row, :used].tolist(), entities[row, :used].tolist()
             # hash() of a tuple of ints is the same in every process (no PYTHONHASHSEED salt)
-            generator = torch.Generator().manual_seed(hash(tuple(ids[row, :used].tolist())) & 0x7FFF_FFFF)
+            generator = torch.Generator().manual_seed(hash(tuple(row_ids)) & 0x7FFF_FFFF)
             for j in range(k):
                 start, end, entity = runs[int(torch.randint(len(runs), (1,), generator=generator))]
                 choices = [v for v in self.values[int(self.group[entity])] if v != entity]
                 new = choices[int(torch.randint(len(choices), (1,), generator=generator))]
-                spliced = _splice(ids[row, :used].tolist(), start, end, self.spelling[new], length)
+                spliced = _splice(row_ids, start, end, self.spelling[new], length)
                 kept = len(spliced)
                 out_ids[row, j] = torch.tensor(spliced + [self.pad_id] * (length - kept))
                 out_mask[row, j] = (torch.arange(length) < kept).to(mask.dtype)
-                row_entities = entities[row, :used].tolist()
                 spliced_entities = _splice(row_entities, start, end, [new] * len(self.spelling[new]), length)
                 out_entities[row, j] = torch.tensor(spliced_entities + [-1] * (length - kept))
                 valid[row, j] = True
