@@ -197,6 +197,19 @@ def check_unet_config(config: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: {key!r} is not a UNet2DConditionModel key{did_you_mean(key, valid)}")
 
 
+def read_unet_config(path: str | Path) -> dict[str, Any]:
+    """A U-Net ``config.json`` file (``model.unet`` for a fresh U-Net of that architecture), checked
+    by :func:`check_unet_config`; a file that is not one is a ValueError naming it."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a U-Net config.json ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a U-Net config.json (a JSON {type(config).__name__}, not a mapping)")
+    check_unet_config(config, str(path))
+    return config
+
+
 def vae_config(name: str = "sd15") -> dict[str, Any]:
     """``AutoencoderKL`` keyword arguments for a preset (a fresh copy)."""
     _check(name, _VAES, "VAE")

@@ -916,9 +916,7 @@ def load_components(
         if _is_preset(unet, presets.PRESETS):
             unet_model = UNet2DConditionModel(**presets.unet_config(unet))
         elif Path(unet).is_file():  # a config.json alone: another architecture, random init
-            config = UNet2DConditionModel.load_config(unet)
-            presets.check_unet_config(config, unet)
-            unet_model = UNet2DConditionModel.from_config(config)
+            unet_model = UNet2DConditionModel.from_config(presets.read_unet_config(unet))
         else:
             unet_model = UNet2DConditionModel.from_pretrained(str(_subfolder(Path(unet), "unet")))
         if _is_preset(vae, presets.PRESETS):

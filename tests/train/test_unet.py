@@ -184,6 +184,9 @@ def test_a_config_file_builds_a_fresh_unet_of_that_architecture(tmp_path: Path) 
     (tmp_path / "typo.json").write_text(json.dumps({**config, "layers_per_blok": 2}), encoding="utf-8")
     with pytest.raises(ValueError, match="did you mean 'layers_per_block'"):
         unet_stage.LatentDiffusion(unet=str(tmp_path / "typo.json"), vae="tiny", text_encoder="tiny")
+    (tmp_path / "weights.bin").write_bytes(b"\x00\xff not json")  # e.g. a weights file given by mistake
+    with pytest.raises(ValueError, match=r"weights\.bin: not a U-Net config\.json"):
+        unet_stage.LatentDiffusion(unet=str(tmp_path / "weights.bin"), vae="tiny", text_encoder="tiny")
 
 
 def test_v_prediction_min_snr_and_noise_offset(data: Path) -> None:
