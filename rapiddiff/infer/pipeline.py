@@ -21,6 +21,7 @@ on the batch it was made in, the device or the path.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -496,6 +497,8 @@ class RapidDiffusionPipeline:
         steps = defaults.num_inference_steps if num_inference_steps is None else int(num_inference_steps)
         guidance = defaults.guidance_scale if guidance_scale is None else float(guidance_scale)
         rescale = defaults.guidance_rescale if guidance_rescale is None else float(guidance_rescale)
+        if not math.isfinite(guidance):  # NaN would sample silently to a black image
+            raise ValueError(f"guidance_scale must be a finite number, got {guidance}")
         if not 0.0 <= rescale <= 1.0:
             raise ValueError(f"guidance_rescale must be in [0, 1], got {rescale}")
         sched_name = canonical_scheduler_name(scheduler or defaults.scheduler)

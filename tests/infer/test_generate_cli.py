@@ -116,6 +116,7 @@ def test_prompts_file(model, tmp_path):
         (["--dtype", "fp8"], "unknown dtype 'fp8'; choose one of"),
         (["--size", "18"], "height 18 → nearest valid: 16 or 20"),
         (["--upscale"], "no upscaler"),
+        (["--guidance", "nan"], "guidance_scale must be a finite number, got nan"),
     ],
 )
 def test_bad_settings_are_clear_errors(model, tmp_path, capsys, extra, message):
