@@ -398,7 +398,8 @@ class KnowledgeStore:
             missing = np.flatnonzero(to_ours < 0)
             if len(missing):
                 raise KGFormatError(
-                    f"{file}: a triple names the {what} {names[missing[0]]!r}, which the store does not have"
+                    str(file),
+                    f"a triple names the {what} {names[missing[0]]!r}, which the store does not have",
                 )
             columns.append(to_ours[ids[:, column]])
         return torch.from_numpy(np.stack(columns, axis=1))

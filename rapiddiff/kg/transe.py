@@ -21,6 +21,7 @@ from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from rapiddiff.kg.store import KnowledgeStore
+    from rapiddiff.kg.triples import Skipped
 
 log = get_logger(__name__)
 
@@ -43,6 +44,10 @@ class TransEConfig:
     """A triples TSV (head<TAB>relation<TAB>tail); split into train/validation/test by ``split``."""
     aliases: Path | None = None
     """Optional aliases TSV (entity<TAB>alias1|alias2) for the store's linker."""
+    bad_lines: Literal["skip", "error"] = "skip"
+    """A malformed line of ``triples`` or ``aliases`` (bad UTF-8, not 3 / 2 columns, an empty field,
+    an alias of an entity the triples lack): skip it (counted and named in the log, in the store's
+    config.json and in OUT/skipped_lines.tsv), or error: the first one stops, naming file and line."""
     split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     """Train / validation / test ratios for a triples TSV (sum to 1)."""
     embedding_dim: int = 64
@@ -163,8 +168,11 @@ def load_transe_config(path: str | Path, **overrides: Any) -> TransEConfig:
     return load_config(TransEConfig, path, **overrides)
 
 
-def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None]:
-    """(pykeen Dataset with train/validation/test, all triples as a TriplesFactory, aliases)."""
+def _load_data(
+    cfg: TransEConfig, skipped: Skipped | None = None
+) -> tuple[Any, Any, dict[str, list[str]] | None]:
+    """(pykeen Dataset with train/validation/test, all triples as a TriplesFactory, aliases);
+    malformed lines are skipped into ``skipped`` where it is given, else raise."""
     import torch
     from pykeen.datasets import get_dataset
     from pykeen.datasets.base import EagerDataset
@@ -185,7 +193,7 @@ def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None
     # Ids straight from the file (pyarrow + numpy): the same ids as pykeen's from_labeled_triples,
     # without a Python tuple or a numpy string per triple.
     # Sorted as pykeen's from_labeled_triples sorts them (np.unique), so splits match it.
-    ids, entity_names, relation_names = read_triples_array(cfg.triples, sort=True)
+    ids, entity_names, relation_names = read_triples_array(cfg.triples, sort=True, skipped=skipped)
     full = TriplesFactory(
         mapped_triples=torch.from_numpy(ids),
         entity_to_id={name: i for i, name in enumerate(entity_names)},
@@ -194,7 +202,7 @@ def _load_data(cfg: TransEConfig) -> tuple[Any, Any, dict[str, list[str]] | None
     )
     aliases = None
     if cfg.aliases is not None:
-        aliases = read_aliases(cfg.aliases, entities=full.entity_to_id)
+        aliases = read_aliases(cfg.aliases, entities=full.entity_to_id, skipped=skipped)
     train_ratio, val_ratio, test_ratio = cfg.split
     training, validation, testing = coverage_split(full, [train_ratio, val_ratio, test_ratio], cfg.seed)
     dataset = EagerDataset(training=training, testing=testing, validation=validation)
@@ -314,7 +322,8 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
     loading = time.perf_counter()
-    dataset, full, aliases = _load_data(cfg)
+    skipped: Skipped | None = [] if cfg.bad_lines == "skip" else None
+    dataset, full, aliases = _load_data(cfg, skipped)
     load_seconds = time.perf_counter() - loading
     log.info(
         "data: %d entities, %d relations; %d train / %d validation / %d test triples",
@@ -351,6 +360,7 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
         test_triples=int(dataset.testing.num_triples),
         evaluated_triples=int(dataset.testing.num_triples if evaluated is None else len(evaluated)),
         load_seconds=round(load_seconds, 2),
+        skipped_lines=len(skipped or []),
     )
     log.info(
         "TransE test (filtered): MRR %.4f  MR %.2f  Hits@1 %.4f  Hits@3 %.4f  Hits@10 %.4f  (%d epochs, %.0f s)",
@@ -390,8 +400,25 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
     if save:
         saving = time.perf_counter()
         store.save(cfg.out)
+        _write_skipped(Path(cfg.out) / SKIPPED_LINES, skipped or [])
         log.info("KnowledgeStore written to %s in %.1f s", cfg.out, time.perf_counter() - saving)
     return store, metrics
+
+
+SKIPPED_LINES = "skipped_lines.tsv"
+
+
+def _write_skipped(path: Path, skipped: Skipped) -> None:
+    """Every skipped line as ``file:line<TAB>reason`` (none: no file; an earlier run's is removed)."""
+    from rapiddiff.utils.io import atomic_open
+
+    if not skipped:
+        path.unlink(missing_ok=True)
+        return
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write("where\treason\n")
+        f.writelines(f"{where}\t{reason}\n" for where, reason in skipped)
+    log.warning("%d malformed line(s) skipped: all are listed in %s", len(skipped), path)
 
 
 def _evaluation_sample(cfg: TransEConfig, dataset: Any) -> Any:

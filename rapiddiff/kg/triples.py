@@ -6,7 +6,10 @@
 - Aliases: ``entity<TAB>alias1|alias2|...``; an entity may have several lines (they merge).
 
 Every problem raises :class:`KGFormatError` naming the file and the 1-based line, so a bad line
-in a 100-million-line dump can be found and fixed.
+in a 100-million-line dump can be found and fixed. A reader given a ``skipped`` list instead skips
+each malformed line and appends ``(file:line, reason)`` to it (``rapiddiff kg train`` with
+``bad_lines: skip``: a real dump's few broken lines should not stop a day's training, but each is
+counted and named).
 """
 
 from __future__ import annotations
@@ -27,8 +30,33 @@ Triple = tuple[str, str, str]
 class KGFormatError(ValueError):
     """A triples or alias file does not follow the TSV format; the message names file and line."""
 
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason = where, reason
 
-def _lines(path: Path, what: str) -> Iterator[tuple[int, str]]:
+
+Skipped = list[tuple[str, str]]
+"""Malformed lines a lenient read skipped: ``(file:line, reason)``, in file order."""
+
+
+def _skip_or_raise(problem: KGFormatError, skipped: Skipped | None) -> None:
+    if skipped is None:
+        raise problem
+    skipped.append((problem.where, problem.reason))
+
+
+def _report_skipped(path: Path, skipped: Skipped | None, before: int) -> None:
+    if skipped is not None and len(skipped) > before:
+        mine = skipped[before:]
+        log.warning(
+            "%s: %d malformed line(s) skipped, first: %s",
+            path,
+            len(mine),
+            "; ".join(f"{where}: {reason}" for where, reason in mine[:3]),
+        )
+
+
+def _lines(path: Path, what: str, skipped: Skipped | None = None) -> Iterator[tuple[int, str]]:
     """(line number, text) for every non-blank, non-comment line; decodes each line strictly.
 
     Reading bytes and decoding line by line (rather than ``open(encoding="utf-8")``) lets a bad
@@ -41,10 +69,15 @@ def _lines(path: Path, what: str) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise KGFormatError(
-                    f"{path}:{number}: not valid UTF-8 (byte {raw[err.start : err.start + 1]!r} at column "
-                    f"{err.start + 1}); convert the file to UTF-8, e.g. iconv -f GB18030 -t UTF-8"
-                ) from err
+                _skip_or_raise(
+                    KGFormatError(
+                        f"{path}:{number}",
+                        f"not valid UTF-8 (byte {raw[err.start : err.start + 1]!r} at column {err.start + 1}); "
+                        "convert the file to UTF-8, e.g. iconv -f GB18030 -t UTF-8",
+                    ),
+                    skipped,
+                )
+                continue
             if number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark from Windows editors
             line = line.rstrip("\r\n")
@@ -58,57 +91,80 @@ def _fields(path: Path, number: int, line: str, expected: int, form: str) -> lis
     parts = [p.strip() for p in line.split("\t")]
     if len(parts) != expected:
         raise KGFormatError(
-            f"{path}:{number}: expected {expected} tab-separated columns ({form}), got {len(parts)}: {line[:80]!r}"
+            f"{path}:{number}",
+            f"expected {expected} tab-separated columns ({form}), got {len(parts)}: {line[:80]!r}",
         )
     for i, part in enumerate(parts):
         if not part:
-            raise KGFormatError(f"{path}:{number}: column {i + 1} is empty ({form}): {line[:80]!r}")
+            raise KGFormatError(f"{path}:{number}", f"column {i + 1} is empty ({form}): {line[:80]!r}")
     return parts
 
 
-def read_triples(path: str | Path) -> list[Triple]:
-    """All distinct ``(head, relation, tail)`` triples of a TSV file, in file order."""
+def read_triples(path: str | Path, skipped: Skipped | None = None) -> list[Triple]:
+    """All distinct ``(head, relation, tail)`` triples of a TSV file, in file order. A malformed
+    line raises :class:`KGFormatError`, or with ``skipped`` given is skipped and appended to it."""
     path = Path(path)
     seen: set[Triple] = set()
     triples: list[Triple] = []
     duplicates = 0
-    for number, line in _lines(path, "triples"):
-        h, r, t = _fields(path, number, line, 3, "head<TAB>relation<TAB>tail")
+    before = len(skipped) if skipped is not None else 0
+    for number, line in _lines(path, "triples", skipped):
+        try:
+            h, r, t = _fields(path, number, line, 3, "head<TAB>relation<TAB>tail")
+        except KGFormatError as problem:
+            _skip_or_raise(problem, skipped)
+            continue
         triple = (h, r, t)
         if triple in seen:
             duplicates += 1
             continue
         seen.add(triple)
         triples.append(triple)
+    _report_skipped(path, skipped, before)
     if not triples:
-        raise KGFormatError(f"{path}: no triples found (expected lines of head<TAB>relation<TAB>tail)")
+        raise KGFormatError(str(path), "no triples found (expected lines of head<TAB>relation<TAB>tail)")
     log.info("%s: %d triples read, %d duplicates dropped", path, len(triples), duplicates)
     return triples
 
 
-def read_aliases(path: str | Path, entities: Collection[str] | None = None) -> dict[str, list[str]]:
+def read_aliases(
+    path: str | Path, entities: Collection[str] | None = None, skipped: Skipped | None = None
+) -> dict[str, list[str]]:
     """Entity name → its aliases (order kept, repeats removed) from ``entity<TAB>a1|a2|...``.
 
-    With ``entities`` given, an alias line for a name not among them is an error: an alias of
-    an entity the KG does not have cannot be linked to anything, and is usually a typo.
+    With ``entities`` given, an alias line for a name not among them is malformed: an alias of
+    an entity the KG does not have cannot be linked to anything, and is usually a typo. A malformed
+    line raises :class:`KGFormatError`, or with ``skipped`` given is skipped and appended to it.
     """
     path = Path(path)
     known = set(entities) if entities is not None and not isinstance(entities, (set, dict)) else entities
     aliases: dict[str, list[str]] = {}
-    for number, line in _lines(path, "aliases"):
-        name, joined = _fields(path, number, line, 2, "entity<TAB>alias1|alias2|...")
-        if known is not None and name not in known:
-            raise KGFormatError(
-                f"{path}:{number}: alias line for unknown entity {name!r}; every entity here must "
-                "appear as a head or tail in the triples file"
-            )
-        items = [a.strip() for a in joined.split("|")]
-        if any(not a for a in items):
-            raise KGFormatError(f"{path}:{number}: empty alias in {joined!r} (aliases are separated by '|')")
+    before = len(skipped) if skipped is not None else 0
+    for number, line in _lines(path, "aliases", skipped):
+        try:
+            name, items = _alias_fields(path, number, line, known)
+        except KGFormatError as problem:
+            _skip_or_raise(problem, skipped)
+            continue
         merged = aliases.setdefault(name, [])
         merged.extend(a for a in items if a != name and a not in merged)
+    _report_skipped(path, skipped, before)
     log.info("%s: aliases for %d entities", path, len(aliases))
     return aliases
+
+
+def _alias_fields(path: Path, number: int, line: str, known: Collection[str] | None) -> tuple[str, list[str]]:
+    name, joined = _fields(path, number, line, 2, "entity<TAB>alias1|alias2|...")
+    if known is not None and name not in known:
+        raise KGFormatError(
+            f"{path}:{number}",
+            f"alias line for unknown entity {name!r}; every entity here must appear as a head or tail "
+            "in the triples file",
+        )
+    items = [a.strip() for a in joined.split("|")]
+    if any(not a for a in items):
+        raise KGFormatError(f"{path}:{number}", f"empty alias in {joined!r} (aliases are separated by '|')")
+    return name, items
 
 
 def write_triples(path: str | Path, triples: Collection[Triple], header: str | None = None) -> None:
@@ -147,7 +203,9 @@ def _check_fields(values: Sequence[str], where: str | Path) -> None:
             _check_field(value, where)
 
 
-def read_triples_array(path: str | Path, *, sort: bool = False) -> tuple[Any, list[str], list[str]]:
+def read_triples_array(
+    path: str | Path, *, sort: bool = False, skipped: Skipped | None = None
+) -> tuple[Any, list[str], list[str]]:
     """The distinct triples of a TSV file as ids: ``(ids, entity_names, relation_names)``.
 
     ``ids`` is an int64 array [T, 3] of (head, relation, tail) in file order (first occurrences),
@@ -159,7 +217,8 @@ def read_triples_array(path: str | Path, *, sort: bool = False) -> tuple[Any, li
     with numpy: 140 M triples take seconds and a few bytes per triple, where a Python tuple per
     triple would take tens of GB. A file the fast reader cannot take as it is (bad UTF-8, a
     line without three columns, an empty field) goes through :func:`read_triples`, which names
-    the file and line of the problem.
+    the file and line of the problem, or with ``skipped`` given skips and records it (that reader
+    holds a Python tuple per triple: a huge file reads fastest once its bad lines are fixed).
     """
     path = Path(path)
     if not path.is_file():
@@ -167,7 +226,7 @@ def read_triples_array(path: str | Path, *, sort: bool = False) -> tuple[Any, li
     if path.stat().st_size < _SMALL_FILE:
         # A small file (a model's own store): the plain reader, without importing pyarrow (whose
         # compute module takes half a second to import: a tenth of a fresh `rapiddiff generate`).
-        return _ordered(*_ids_of(read_triples(path)), sort)
+        return _ordered(*_ids_of(read_triples(path, skipped)), sort)
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -208,8 +267,10 @@ def read_triples_array(path: str | Path, *, sort: bool = False) -> tuple[Any, li
             fields = [pc.filter(f, keep) for f in fields]
         if any(pc.any(pc.equal(pc.utf8_length(f), 0)).as_py() for f in fields):
             table = None  # an empty field: the exact reader names its line
-    if table is None or bad_rows:  # raises KGFormatError naming the line, or the file is fine
-        return _ordered(*_ids_of(read_triples(path)), sort)
+    if table is None or bad_rows:  # raises KGFormatError naming the line, or skips and names it
+        if skipped is not None:
+            log.warning("%s: malformed lines: reading it with the exact reader to name them (slower)", path)
+        return _ordered(*_ids_of(read_triples(path, skipped)), sort)
     # Entities: one dictionary for heads and tails, sorted so ids follow code-point order.
     n = len(fields[0])
     entities = pc.dictionary_encode(pa.chunked_array([fields[0], fields[2]]).combine_chunks())

@@ -132,17 +132,45 @@ def test_kg_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "entities:   33" in text and "hits_at_10" in text
 
 
-def test_kg_train_reports_bad_input_without_traceback(
+def test_kg_train_skips_malformed_lines_and_names_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    triples, _ = _tiny_kg(tmp_path)
-    bad_aliases = tmp_path / "aliases.tsv"
-    bad_aliases.write_text("不存在\t别名\n", encoding="utf-8")
+    """The default ``bad_lines: skip``: a broken line of the triples or aliases is left out, and
+    every one is counted and named (file:line, reason) in skipped_lines.tsv and config.json; with
+    ``bad_lines: error`` the first one stops the run, naming it."""
+    triples, aliases = _tiny_kg(tmp_path)
+    with triples.open("ab") as f:
+        f.write("物品99\t颜色\n物品98\t\t红色\n".encode() + b"\xb7\xac\t\xe9\xa2\x9c\xe8\x89\xb2\tx\n")
+    aliases.write_text("物品0\t零号物品\n不存在\t别名\n红色\t赤色||x\n", encoding="utf-8")
     config = tmp_path / "tiny.yaml"
-    config.write_text(f"triples: {triples}\naliases: {bad_aliases}\nprogress: false\n", encoding="utf-8")
+    config.write_text(
+        f"triples: {triples}\naliases: {aliases}\nembedding_dim: 8\nepochs: 1\nearly_stopping: false\n"
+        "progress: false\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "store"
+    assert main(["kg", "train", "--config", str(config), "--out", str(out), "--device", "cpu"]) == 0
+    listed = (out / "skipped_lines.tsv").read_text(encoding="utf-8").splitlines()
+    assert [row.split("\t")[0] for row in listed] == [
+        "where",
+        f"{triples}:75",
+        f"{triples}:76",
+        f"{triples}:77",
+        f"{aliases}:2",
+        f"{aliases}:3",
+    ]
+    assert "not valid UTF-8" in listed[3] and "unknown entity '不存在'" in listed[4]
+    store = KnowledgeStore.load(out)
+    assert len(store.triples) == 72 and "物品99" not in store.entity_names
+    assert store.aliases[store.id_of("物品0")] == ["零号物品"]
+    saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert saved["training"]["skipped_lines"] == 5
+
+    capsys.readouterr()
+    config.write_text(config.read_text(encoding="utf-8") + "bad_lines: error\n", encoding="utf-8")
     assert main(["kg", "train", "--config", str(config), "--out", str(tmp_path / "s")]) == 2
-    err = capsys.readouterr().err
-    assert f"{bad_aliases}:1: alias line for unknown entity '不存在'" in err
+    assert f"{triples}:75: expected 3 tab-separated columns" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("inverse", [False, True])

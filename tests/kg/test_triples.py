@@ -139,3 +139,26 @@ def test_group_triples_sorts_drops_duplicates_and_keeps_sorted_input() -> None:
     assert group_triples(ids[:1], 30, 4).tolist() == ids[:1].tolist()
     with pytest.raises(ValueError, match=r"\[T, 3\]"):
         group_triples(ids[:, :2], 30, 4)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_lenient_reads_skip_and_name_each_bad_line(tmp_path: Path, monkeypatch, fast: bool) -> None:
+    """With a ``skipped`` list, every reader keeps the good lines and records each bad one as
+    (file:line, reason), where a strict read stops at the first."""
+    from rapiddiff.kg import triples as T
+
+    monkeypatch.setattr(T, "_SMALL_FILE", 0 if fast else 16 << 20)  # the pyarrow reader, or the plain one
+    path = _write(tmp_path / "t.tsv", b"a\tr\tb\nbroken\n# c\nc\t\td\n\xff\tr\tb\nb\tr\tc\n")
+    skipped: list[tuple[str, str]] = []
+    ids, entities, relations = T.read_triples_array(path, skipped=skipped)
+    assert [(entities[h], relations[r], entities[t]) for h, r, t in ids.tolist()] == [
+        ("a", "r", "b"),
+        ("b", "r", "c"),
+    ]
+    assert [where for where, _ in skipped] == [f"{path}:2", f"{path}:4", f"{path}:5"]
+    assert "got 1" in skipped[0][1] and "column 2 is empty" in skipped[1][1] and "UTF-8" in skipped[2][1]
+    aliases = _write(tmp_path / "a.tsv", "a\tA\nzz\tZ\nb\t|B\nb\tB\n")
+    assert read_aliases(aliases, entities=entities, skipped=skipped) == {"a": ["A"], "b": ["B"]}
+    assert [where for where, _ in skipped[3:]] == [f"{aliases}:2", f"{aliases}:3"]
+    with pytest.raises(KGFormatError, match=":2: expected 3"):
+        T.read_triples_array(path)
