@@ -189,7 +189,7 @@ def check_request(
             400,
             f"steps={steps}: use 1 to {config.max_steps} denoising steps",
             param="steps",
-            code="too_many_steps",
+            code="too_many_steps" if steps > config.max_steps else "invalid_value",
         )
     guidance = req.guidance if req.guidance is not None else float(limits.defaults["guidance_scale"])
     if not 0 <= guidance <= 50:

@@ -117,6 +117,7 @@ BAD = {
     "size too large": ({"size": "2048x2048"}, 400, "invalid_size"),
     "too many images": ({"n": 5}, 400, "too_many_images"),
     "too many steps": ({"steps": 101}, 400, "too_many_steps"),
+    "no steps": ({"steps": 0}, 400, "invalid_value"),
     "prompt too long": ({"prompt": "番茄" * 40}, 400, "prompt_too_long"),
     "prompt far too long": ({"prompt": "x" * 100_000}, 400, "prompt_too_long"),
     "unknown field": ({"num_images": 2}, 400, "unknown_field"),
