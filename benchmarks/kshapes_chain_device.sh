@@ -19,7 +19,11 @@
 # 2026-11-24, then the whole summary and the chosen seed's model (BENCHMARKS.md, issue 18, 19:38).
 # The device tool takes a machine back after 30 minutes held, warm or not: a `unet` call that starts
 # with less than ~13 minutes of the hold left resumes on a fresh machine, without the trained U-Nets
-# in /tmp (2026-11-25: one 3-seed run kept only its attribute captions and seed 0).
+# in /tmp (2026-11-25: one 3-seed run kept only its attribute captions and seed 0). A call can also
+# come back with the machine no longer warm well inside the hold (2026-11-25 02:55, 10 minutes into
+# a fresh machine's hold): then no resume is possible. With
+# SET='guidance_candidates=[3.0] eval_robust=false eval_text_mode=false' the 3-seed call finishes the
+# U-Nets and the evaluation the seed choice needs at ~565 s: cut at 550 s, its resume took 15 s.
 set -u
 part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
 if [ "$part" = wheels ]; then
