@@ -104,6 +104,9 @@ def _info(args: argparse.Namespace) -> int:
     if metrics:
         print("metrics:    " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     print(f"linker:     {_linker_index_status(store)}")
+    skipped = cfg.get("training", {}).get("skipped_lines")
+    if skipped:  # kg train's bad_lines: skip left these out of the source files
+        print(f"skipped:    {skipped} malformed source line(s), listed in skipped_lines.tsv")
     for i in range(min(3, len(store))):
         facts = store.facts(i)[:3]
         shown = ", ".join(f"{store.relation_names[r]} → {store.entity_names[t]}" for r, t in facts)

@@ -165,6 +165,9 @@ def test_kg_train_skips_malformed_lines_and_names_them(
     assert store.aliases[store.id_of("物品0")] == ["零号物品"]
     saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert saved["training"]["skipped_lines"] == 5
+    capsys.readouterr()
+    assert main(["kg", "info", str(out)]) == 0
+    assert "skipped:    5 malformed source line(s), listed in skipped_lines.tsv" in capsys.readouterr().out
 
     capsys.readouterr()
     config.write_text(config.read_text(encoding="utf-8") + "bad_lines: error\n", encoding="utf-8")
