@@ -25,7 +25,9 @@ def register(parser: argparse.ArgumentParser) -> None:
             "Train TransE through pykeen's pipeline as the YAML config says (configs/kg/*.yaml), log filtered "
             "MRR and Hits@1/3/10 on held-out triples, and write a KnowledgeStore folder (entities.tsv, "
             "relations.tsv, *_embeddings.safetensors, triples.tsv, config.json with the metrics). "
-            "Triples TSV: head<TAB>relation<TAB>tail, '#' comments, UTF-8. Aliases TSV: entity<TAB>a1|a2."
+            "Triples TSV: head<TAB>relation<TAB>tail, '#' comments, UTF-8. Aliases TSV: entity<TAB>a1|a2. "
+            "A malformed line is skipped and listed in OUT/skipped_lines.tsv (config bad_lines: error "
+            "stops at the first instead)."
         ),
     )
     train.add_argument("--config", required=True, type=Path, help="YAML file of TransEConfig keys")
