@@ -673,6 +673,10 @@ def build_report(
     from rapiddiff import __version__
 
     run = Path(run)
+    if not run.is_dir():
+        raise FileNotFoundError(
+            f"eval run folder not found: {run} (the --out of `rapiddiff eval sample` or `rapiddiff eval knowledge`)"
+        )
     sets = sample_sets(run)
     if not sets:
         raise FileNotFoundError(

@@ -180,6 +180,8 @@ def test_report_puts_results_with_intervals_first_then_plots_and_large_samples(r
 def test_report_without_runs_says_what_to_do(tmp_path, capsys):
     assert main(["eval", "report", str(tmp_path)]) == 2
     assert "eval sample" in capsys.readouterr().err
+    assert main(["eval", "report", str(tmp_path / "nope")]) == 2
+    assert f"eval run folder not found: {tmp_path / 'nope'}" in capsys.readouterr().err
 
 
 def _chromium() -> str | None:
