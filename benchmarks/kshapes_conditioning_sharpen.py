@@ -24,6 +24,7 @@ def main() -> None:
     import torch
 
     from rapiddiff.data.kshapes.detect import detect_attributes
+    from rapiddiff.data.kshapes.palette import COLOURS
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,6 +34,13 @@ def main() -> None:
     parser.add_argument("--alphas", default="0,1")
     parser.add_argument("--images", type=int, default=8, help="images per caption (seeds 0..N-1)")
     parser.add_argument("--guidance", type=float, default=None, help="default: the model's")
+    parser.add_argument(
+        "--against",
+        choices=("neighbour", "others"),
+        default="neighbour",
+        help="neighbour: s_B is B's caption; others: s_B is the mean over every other palette colour's "
+        "caption (no neighbour named: what a sampler could do from the KG's values of 颜色)",
+    )
     args = parser.parse_args()
     pipe = RapidDiffusionPipeline.from_pretrained(args.model, device="cpu")
     encode = pipe.text_encoder.encode
@@ -48,7 +56,10 @@ def main() -> None:
                 states = encode(texts)
                 if alpha == 0:
                     return states
-                other = encode([t.replace(asked, neighbour) for t in texts])
+                swaps = [neighbour] if args.against == "neighbour" else [c for c in COLOURS if c != asked]
+                other = torch.stack(
+                    [encode([t.replace(f"{asked}的", f"{b}的") for t in texts]) for b in swaps]
+                ).mean(0)
                 keep = torch.tensor([asked in t for t in texts], device=states.device)[:, None, None]
                 return torch.where(keep, states + alpha * (states - other), states)  # negatives stay
 
