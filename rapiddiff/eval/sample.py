@@ -52,7 +52,6 @@ class SampleSettings:
     seed: int = 0
     images_per_prompt: int = 1
     fast: bool = False  # the fast path's images differ from eager ones by float noise: not mixed in a run
-    value_contrast: float = 0.0  # attribute words sharpened against their relation's other values
 
     def call_kwargs(self) -> dict[str, Any]:
         return {
@@ -63,7 +62,6 @@ class SampleSettings:
             "width": self.width,
             "knowledge": self.knowledge,
             "upscale": self.upscale,
-            "value_contrast": self.value_contrast,
         }
 
 
@@ -338,13 +336,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int, help="image height (default: the model's)")
     parser.add_argument("--width", type=int, help="image width (default: the model's)")
     parser.add_argument("--negative-prompt", help="one negative prompt for every image")
-    parser.add_argument(
-        "--value-contrast",
-        type=float,
-        metavar="S",
-        help="attribute words the KG knows pushed away from their relation's other values by S "
-        "(0–2, 0 = off; default: the model's), as `rapiddiff generate --value-contrast`",
-    )
     parser.add_argument("--seed", type=int, default=0, help="base seed (image j of prompt i: seed + i*K + j)")
     parser.add_argument("--images-per-prompt", type=int, default=1, metavar="K")
     parser.add_argument("--batch-size", type=int, default=8, help="images per pipeline call (default: 8)")
@@ -386,7 +377,6 @@ def settings_from_args(args: argparse.Namespace, *, knowledge: bool) -> SampleSe
     """The run's settings: flags win over the model folder's sampling defaults (rapiddiff.json),
     which win over the library's — the rule ``rapiddiff generate`` follows, so both make one image."""
     from rapiddiff.models.bundle import read_sampling
-    from rapiddiff.models.contrast import check_strength
     from rapiddiff.models.sampling import SamplingDefaults, canonical_scheduler_name
 
     defaults = read_sampling(args.model) or SamplingDefaults()
@@ -406,9 +396,6 @@ def settings_from_args(args: argparse.Namespace, *, knowledge: bool) -> SampleSe
         seed=args.seed,
         images_per_prompt=args.images_per_prompt,
         fast=args.fast,
-        value_contrast=check_strength(
-            defaults.value_contrast if args.value_contrast is None else args.value_contrast, "--value-contrast"
-        ),
     )
 
 

@@ -156,14 +156,6 @@ def register(parser: argparse.ArgumentParser) -> None:
         "quality cost and the speed-up is small on the fast path (BENCHMARKS.md). Default: 0 (exact)",
     )
     parser.add_argument(
-        "--value-contrast",
-        type=float,
-        metavar="S",
-        help="push each attribute word the KG knows (a value of 颜色, 形状, ...) away from the other values "
-        "of its relation by S (0–2; 0 = off): fewer blends of neighbouring colours. Needs knowledge on. "
-        "Default: the model's (BENCHMARKS.md measures it)",
-    )
-    parser.add_argument(
         "--no-knowledge", action="store_true", help="switch the knowledge fusion off (the base text encoder)"
     )
     parser.add_argument(
@@ -296,10 +288,6 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         from rapiddiff.models.token_merge import check_ratio
 
         kwargs["token_merge"] = check_ratio(args.token_merge, "--token-merge")
-    if args.value_contrast is not None:
-        from rapiddiff.models.contrast import check_strength
-
-        kwargs["value_contrast"] = check_strength(args.value_contrast, "--value-contrast")
     if "scheduler" in kwargs:  # bad names fail before loading
         kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
     if kwargs.get("num_inference_steps", 1) < 1:

@@ -328,11 +328,8 @@ class RapidDiffusionPipeline:
         negative: str | Sequence[str] | None = None,
         *,
         do_classifier_free_guidance: bool = True,
-        value_contrast: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompts (and negative prompts, default "") → cond, uncond states [B, L, D] in the U-Net's dtype.
-        ``value_contrast``: the prompts' attribute words sharpened (:mod:`rapiddiff.models.contrast`);
-        negative prompts are left as they are."""
+        """Prompts (and negative prompts, default "") → cond, uncond states [B, L, D] in the U-Net's dtype."""
         import torch
 
         prompts = list(prompts)
@@ -341,11 +338,7 @@ class RapidDiffusionPipeline:
             texts = prompts + _per_prompt(negative, len(prompts), "negative_prompt")
         with torch.inference_mode():
             # One pass for prompts and negatives (diffusers makes two): half the tower's kernel launches.
-            states = self.text_encoder.encode(texts)  # (2B, L, D)
-            if value_contrast and hasattr(self.text_encoder, "contrast"):
-                cond = self.text_encoder.contrast(prompts, states[: len(prompts)], value_contrast)
-                states = torch.cat([cond, states[len(prompts) :]])
-            states = states.to(device=self.device, dtype=self.dtype)
+            states = self.text_encoder.encode(texts).to(device=self.device, dtype=self.dtype)  # (2B, L, D)
         if not do_classifier_free_guidance:
             return states, None
         return states[: len(prompts)], states[len(prompts) :]
@@ -467,7 +460,6 @@ class RapidDiffusionPipeline:
         deep_cache: int = 1,
         guidance_rescale: float | None = None,
         token_merge: float = 0.0,
-        value_contrast: float | None = None,
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
@@ -492,11 +484,6 @@ class RapidDiffusionPipeline:
         ``token_merge=R`` (opt-in, approximate): ToMe merges ``R`` of the tokens entering the
         highest-resolution self-attention (R in [0, 0.75]; 0.5 is ToMe's default;
         :mod:`rapiddiff.models.token_merge`); 0 is the exact path. Recorded in the metadata when > 0.
-
-        ``value_contrast=S`` (``None``: the folder's default): each attribute word the KG knows (a
-        value of 颜色, 形状, ...) has its text states pushed away from the other values of its
-        relation by S (:mod:`rapiddiff.models.contrast`); 0 is off, and so is knowledge off.
-        Recorded in the metadata when it acted (knowledge on, S > 0).
         """
         import time
 
@@ -510,9 +497,6 @@ class RapidDiffusionPipeline:
         steps = defaults.num_inference_steps if num_inference_steps is None else int(num_inference_steps)
         guidance = defaults.guidance_scale if guidance_scale is None else float(guidance_scale)
         rescale = defaults.guidance_rescale if guidance_rescale is None else float(guidance_rescale)
-        from rapiddiff.models.contrast import check_strength
-
-        contrast = check_strength(defaults.value_contrast if value_contrast is None else value_contrast)
         if not math.isfinite(guidance):  # NaN would sample silently to a black image
             raise ValueError(f"guidance_scale must be a finite number, got {guidance}")
         if not 0.0 <= rescale <= 1.0:
@@ -572,8 +556,6 @@ class RapidDiffusionPipeline:
             settings["token_merge"] = token_merge  # likewise
         if rescale and guidance > 1.0:
             settings["guidance_rescale"] = rescale
-        if contrast and settings["knowledge"]:
-            settings["value_contrast"] = contrast  # the default changes with the folder: recorded
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
@@ -582,9 +564,7 @@ class RapidDiffusionPipeline:
         times: dict[str, float] = {}
         with _knowledge_as(self.text_encoder, knowledge):
             do_cfg = guidance > 1.0
-            cond, uncond = self.encode_prompt(
-                prompts, negatives, do_classifier_free_guidance=do_cfg, value_contrast=contrast
-            )
+            cond, uncond = self.encode_prompt(prompts, negatives, do_classifier_free_guidance=do_cfg)
         # One row per image, prompt by prompt: p0 img0, p0 img1, ..., p1 img0, ... (as diffusers orders them)
         cond = cond.repeat_interleave(num_images_per_prompt, dim=0)  # (N, L, D)
         uncond = uncond.repeat_interleave(num_images_per_prompt, dim=0) if uncond is not None else None

@@ -152,7 +152,6 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
         kwargs["strength"] = float(meta["strength"])
     # Recorded only when on; an image without it was made with plain guidance.
     kwargs["guidance_rescale"] = float(meta.get("guidance_rescale", 0.0))
-    kwargs["value_contrast"] = float(meta.get("value_contrast", 0.0))  # likewise: absent = off
     if meta.get("deep_cache"):  # an approximate image is remade with the same approximation
         kwargs["deep_cache"] = int(meta["deep_cache"])
     if meta.get("token_merge"):

@@ -117,9 +117,6 @@ class SamplingDefaults:
     """CFG rescale φ (Lin et al. 2024, §3.4): the guided output's std pulled back to the text
     branch's by this fraction; 0 is plain guidance. 0.7 is the paper's value for a zero-terminal-SNR
     model, whose strong guidance otherwise over-saturates."""
-    value_contrast: float = 0.0
-    """Attribute words sharpened against the other values of their KG relation by this strength
-    (:mod:`rapiddiff.models.contrast`); 0 is off. Needs knowledge on."""
 
     def __post_init__(self) -> None:
         steps = self.num_inference_steps
@@ -133,9 +130,6 @@ class SamplingDefaults:
         if isinstance(rescale, bool) or not isinstance(rescale, int | float) or not 0.0 <= rescale <= 1.0:
             raise ValueError(f"guidance_rescale must be a number in [0, 1], got {rescale!r}")
         object.__setattr__(self, "guidance_rescale", float(rescale))
-        from rapiddiff.models.contrast import check_strength
-
-        object.__setattr__(self, "value_contrast", check_strength(self.value_contrast))
         object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
         object.__setattr__(self, "scheduler", canonical_scheduler_name(self.scheduler))
 

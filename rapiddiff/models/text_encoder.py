@@ -240,7 +240,6 @@ class KnowledgeTextEncoder(nn.Module):
         self.expander: PromptExpander | None = None
         self.fusion: KnowledgeFusion | None = None
         self._deltas: dict[int, torch.Tensor] | None = None  # set only while forward runs
-        self._contrast: tuple[tuple[str, ...] | None, Any] | None = None  # (relations, ValueContrast)
         for i in self.fusion_layers:
             layers[i].register_forward_pre_hook(functools.partial(self._add_knowledge, i), with_kwargs=True)
         if store is not None:
@@ -280,7 +279,6 @@ class KnowledgeTextEncoder(nn.Module):
             linker = EntityLinker.from_store(store)
         self.store, self.linker, self.fusion = store, linker, fusion
         self._heads = {}  # recomputed for this store when masking or fusion first needs them
-        self._contrast = None  # the value sets are this store's
         self.expander = PromptExpander(store, linker, self.expansion_relations)
         if not getattr(self.tokenizer, "is_fast", False):
             log.warning(
@@ -417,16 +415,11 @@ class KnowledgeTextEncoder(nn.Module):
         return next(self.text_model.parameters()).dtype
 
     # ------------------------------------------------------------------ text → tensors
-    def readable(self, prompts: Sequence[str]) -> list[str]:
-        """The prompts as the tower reads them: facts spelled in (mode "text"/"both"), simplified
-        characters (``simplified_text``)."""
+    def tokenize(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Prompts → input_ids, attention_mask [B, max_length] and token_entity_ids (-1 = none)."""
         prompts = self.expand(prompts)  # unchanged unless knowledge_mode is "text" or "both"
-        return [to_simplified(p) for p in prompts] if self.simplified_text else prompts
-
-    def tokenize(self, prompts: Sequence[str], *, expand: bool = True) -> dict[str, torch.Tensor]:
-        """Prompts → input_ids, attention_mask [B, max_length] and token_entity_ids (-1 = none).
-        ``expand=False``: the prompts are already :meth:`readable` (no facts spelled in again)."""
-        prompts = self.readable(prompts) if expand else list(prompts)
+        if self.simplified_text:
+            prompts = [to_simplified(p) for p in prompts]
         fast = bool(getattr(self.tokenizer, "is_fast", False))
         enc = self.tokenizer(
             prompts,
@@ -507,25 +500,6 @@ class KnowledgeTextEncoder(nn.Module):
         """Tokenize and run on the module's device → [B, L, hidden_size]."""
         batch = {k: v.to(self.device) for k, v in self.tokenize(prompts).items()}
         return self(**batch)
-
-    def contrast(
-        self, prompts: Sequence[str], states: torch.Tensor, strength: float, relations: Sequence[str] | None = None
-    ) -> torch.Tensor:
-        """``states`` of ``prompts`` with their attribute words sharpened against the other values of
-        their relation (:mod:`rapiddiff.models.contrast`); as they were while knowledge is off."""
-        if strength == 0 or not self.knowledge or self.store is None:
-            return states
-        return self._contrast_for(relations)(prompts, states, strength)
-
-    def _contrast_for(self, relations: Sequence[str] | None = None) -> Any:
-        """The :class:`~rapiddiff.models.contrast.ValueContrast` of this store and ``relations``,
-        built once (its value sets come from the store's triples)."""
-        from rapiddiff.models.contrast import ValueContrast
-
-        key = tuple(relations) if relations is not None else None
-        if self._contrast is None or self._contrast[0] != key:
-            self._contrast = (key, ValueContrast(self, relations))
-        return self._contrast[1]
 
     # ------------------------------------------------------------------ save / load
     def settings(self) -> dict[str, Any]:
