@@ -367,12 +367,17 @@ def _generate(
     bar = tqdm(total=len(jobs), desc="images", unit="img", disable=args.no_progress)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start : start + args.batch_size]
-        result = pipe(
-            [p for p, _ in batch],
-            seed=[first_seed + start + i for i in range(len(batch))],
-            progress=not args.no_progress,
-            **kwargs,
-        )
+        try:
+            result = pipe(
+                [p for p, _ in batch],
+                seed=[first_seed + start + i for i in range(len(batch))],
+                progress=not args.no_progress,
+                **kwargs,
+            )
+        except BaseException:
+            bar.leave = False  # the bar's line is cleared, so the error prints on a line of its own
+            bar.close()
+            raise
         for image, meta in zip(result.images, result.metadata, strict=True):
             path = save_png(image, out / f"{index:05d}-{meta['seed']}.png", meta)
             print(path)

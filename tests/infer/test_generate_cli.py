@@ -233,3 +233,17 @@ def test_bad_model_sampling_defaults_name_the_file(tmp_path, capsys, info, messa
     (folder / "rapiddiff.json").write_text(info, "utf-8")
     assert main(["generate", "x", "--model", str(folder), "--out", str(tmp_path / "o"), *FAST]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_error_inside_the_batch_loop_prints_below_a_cleared_progress_bar(model, tmp_path, capsys):
+    """The pipeline checks --guidance; its error must not share a line with the images bar, nor be
+    followed by the bar drawn again."""
+    import gc
+
+    args = ["generate", "x", "--model", model, "--out", str(tmp_path), "--device", "cpu", "--guidance", "nan"]
+    assert main(args) == 2
+    gc.collect()  # an unclosed bar would draw itself again when collected
+    err = capsys.readouterr().err
+    assert "images:" in err  # the bar was shown
+    tail = err[err.rindex("images:") :]
+    assert "\r" in tail and "guidance_scale must be a finite number" in tail.split("\r")[-1]
