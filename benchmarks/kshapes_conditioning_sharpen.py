@@ -57,6 +57,9 @@ def main() -> None:
                 if alpha == 0:
                     return states
                 swaps = [neighbour] if args.against == "neighbour" else [c for c in COLOURS if c != asked]
+                # Only the object's colour word ("{c}的") is swapped, so a 浅蓝色 background stays. The
+                # neighbour runs of 2026-11-24 (BENCHMARKS.md) swapped every occurrence: 蓝色 → 紫色 also
+                # turned 浅蓝色 into 浅紫色 in the blue captions on light blue.
                 other = torch.stack(
                     [encode([t.replace(f"{asked}的", f"{b}的") for t in texts]) for b in swaps]
                 ).mean(0)
