@@ -88,7 +88,9 @@ class BenchConfig:
     compile: bool = True
     """torch.compile in rapiddiff's variants (off: a quick smoke run on a CPU)."""
     profile: bool = False
-    """Write the top GPU kernels of one fast-path image (torch.profiler) to profile.txt."""
+    """Profile one fast-path image per ``profile_variants`` (torch.profiler): profile.txt, profile.csv."""
+    profile_variants: tuple[str, ...] = ("rapiddiff",)
+    """The rapiddiff variants (``rapiddiff`` or ``rapiddiff+KEY=VALUE``) the profile covers."""
     out: str = "bench-out"
     device: str = "auto"
     budget_s: float = 0.0
@@ -99,6 +101,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for variant in self.variants:
             parse_variant(variant)  # raises naming the variant and what is allowed
+        for variant in self.profile_variants:
+            if variant != "rapiddiff" and not variant.startswith(TUNED):
+                raise ValueError(f"profile variants are rapiddiff or {TUNED}KEY=VALUE, got {variant!r}")
+            parse_variant(variant)
         if "all" in self.switches:
             self.switches = tuple(SWITCHES)
         bad = [s for s in self.switches if s not in SWITCHES]
@@ -540,7 +546,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 print("second process:", json.dumps(extra["second_process"])[:800], flush=True)
         elif task == "profile":
             if device.type == "cuda":
-                extra["profile"] = profile_fast(cfg, device, out / "profile.txt")
+                extra["profile"] = profile_fast(cfg, device, out)
         else:
             variant, batch, switches = args
             log.info("bench: %s at batch %d %s", variant, batch, switches or "")
@@ -589,49 +595,70 @@ def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     return tasks
 
 
-def profile_fast(cfg: BenchConfig, device: torch.device, path: Path) -> str:
-    """Top GPU kernels of one fast-path image without the loop graph (so each kernel is visible)."""
+def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
+    """GPU kernels of one image of each ``cfg.profile_variants`` without the loop graph (so each kernel
+    is visible): the time by kernel family and the top kernels in ``out/profile.txt``, every kernel
+    (name, calls, total and mean µs, family, variant) in ``out/profile.csv``."""
     from torch.profiler import ProfilerActivity, profile
 
-    pipe = build_pipeline(cfg, device)
-    from rapiddiff.infer.accelerate import accelerate
+    from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
 
-    fast = accelerate(pipe, dtype=cfg.dtype, loop="resident")
-    kw = {
-        "num_inference_steps": cfg.steps,
-        "guidance_scale": cfg.guidance,
-        "seed": cfg.seed,
-        "output_type": "np",
-        "progress": False,
-    }
-    fast([PROMPT], **kw)
-    fast([PROMPT], **kw)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    texts, summaries, csv_rows = [], [], ["variant,family,calls,total_us,mean_us,kernel"]
+    for variant in cfg.profile_variants:
+        pipe = build_pipeline(cfg, device)
+        config = AccelerateConfig(**{"dtype": cfg.dtype, **parse_variant(variant), "loop": "resident"})
+        fast = accelerate(pipe, config)
+        kw = {
+            "num_inference_steps": cfg.steps,
+            "guidance_scale": cfg.guidance,
+            "seed": cfg.seed,
+            "output_type": "np",
+            "progress": False,
+        }
         fast([PROMPT], **kw)
-    events = prof.key_averages()
-    table = events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=100)
-    families: dict[str, float] = {}
-    for evt in events:
-        us = float(getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0)
-        if us > 0:
-            families[_family(evt.key)] = families.get(_family(evt.key), 0.0) + us / 1e3
-    plan = fast.denoiser.plan_for(fast.scheduler, cfg.steps)
-    evals = plan if isinstance(plan, str) else plan.num_evaluations
-    summary = f"GPU time of one image by kernel family (ms; U-Net ×{evals} evaluations + decode + text):\n"
-    summary += "\n".join(f"  {k:<28} {v:8.2f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1]))
-    atomic_write_text(path, summary + "\n\n" + table)
-    print(summary, flush=True)
-    del fast, pipe
-    free_memory()
-    return summary
+        fast([PROMPT], **kw)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fast([PROMPT], **kw)
+        events = prof.key_averages()
+        table = events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=100)
+        families: dict[str, float] = {}
+        for evt in events:
+            us = float(
+                getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0
+            )
+            if us > 0:
+                family = _family(evt.key)
+                families[family] = families.get(family, 0.0) + us / 1e3
+                name = evt.key.replace('"', "'")
+                csv_rows.append(
+                    f'{variant},{family},{evt.count},{us:.1f},{us / max(evt.count, 1):.2f},"{name}"'
+                )
+        plan = fast.denoiser.plan_for(fast.scheduler, cfg.steps)
+        evals = plan if isinstance(plan, str) else plan.num_evaluations
+        summary = f"{variant}: GPU time of one image by kernel family (ms; U-Net ×{evals} evaluations + decode + text):\n"
+        summary += "\n".join(
+            f"  {k:<34} {v:8.2f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1])
+        )
+        summary += f"\n  {'total':<34} {sum(families.values()):8.2f}"
+        summaries.append(summary)
+        texts.append(summary + "\n\n" + table)
+        print(summary, flush=True)
+        del fast, pipe
+        free_memory()
+    atomic_write_text(out / "profile.txt", "\n\n".join(texts))
+    atomic_write_text(out / "profile.csv", "\n".join(csv_rows) + "\n")
+    return "\n\n".join(summaries)
 
 
 def _family(name: str) -> str:
     low = name.lower()
-    if "fprop" in low or ("conv" in low and "triton" not in low):
-        return "convolution"
+    # Attention first: cuDNN's SDPA kernels are named "..._sdpa_..._flash_fprop_..." too.
     if any(k in low for k in ("fmha", "flash", "attention", "sdpa")):
         return "attention"
+    if "fprop" in low or ("conv" in low and "triton" not in low):
+        return "convolution"
+    if low.startswith("rapiddiff_"):  # fast_norm's and fast_geglu's own kernels
+        return "rapiddiff Triton kernels"
     if any(k in low for k in ("nvjet", "gemm", "cublas", "gemv", "scaled_mm")):
         return "matmul (linear)"
     if "triton" in low:

@@ -54,7 +54,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-compile", action="store_true", help="no torch.compile in rapiddiff (CPU smoke runs)"
     )
-    parser.add_argument("--profile", action="store_true", help="write the top GPU kernels of the fast path")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        metavar="VARIANT",
+        help="profile one image of each fast-path VARIANT (default: rapiddiff) without the loop graph: "
+        "GPU time by kernel family and the top kernels in OUT/profile.txt, every kernel in OUT/profile.csv",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument(
         "--budget-s",
@@ -82,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         min_run_time=args.min_run_time,
         second_process=args.second_process,
         compile=not args.no_compile,
-        profile=args.profile,
+        profile=args.profile is not None,
+        profile_variants=tuple(args.profile or ("rapiddiff",)),
         device=args.device,
         budget_s=args.budget_s,
         out=args.out,

@@ -75,3 +75,20 @@ def test_cli_is_registered():
     assert COMMANDS["bench"][0] == "rapiddiff.infer.bench_cli"
     args = build_parser().parse_args(["bench", "--preset", "tiny", "--batch", "1", "2", "--no-compile"])
     assert args.batch == [1, 2] and args.no_compile
+
+
+def test_profile_takes_variants_and_buckets_cudnn_attention_as_attention():
+    from rapiddiff.infer.bench import _family
+
+    args = build_parser().parse_args(["bench", "--profile"])
+    assert args.profile == []  # bare --profile: the rapiddiff row (bench_cli fills the default)
+    args = build_parser().parse_args(["bench", "--profile", "rapiddiff", "rapiddiff+fuse_norm=true"])
+    assert args.profile == ["rapiddiff", "rapiddiff+fuse_norm=true"]
+    assert BenchConfig(profile_variants=("rapiddiff+fuse_norm=true",)).profile_variants
+    with pytest.raises(ValueError, match="profile variants are rapiddiff"):
+        BenchConfig(profile_variants=("recipe",))
+    # cuDNN names its attention kernel "..._sdpa_..._fprop_...": attention, not a convolution
+    assert _family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64") == "attention"
+    assert _family("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
+    assert _family("rapiddiff_gn_apply") == "rapiddiff Triton kernels"
+    assert _family("triton_per_fused_add_native_group_norm_silu_31") == "fused Triton (norms, elementwise)"
