@@ -66,7 +66,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 AUTOTUNE_MODES = ("off", "convs", "gemm", "all", "pointwise")
 LOOPS = ("graph", "resident", "eager")
 # compile_regions: the U-Net's repeated blocks (diffusers' _repeated_blocks names only the first).
-REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
+REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D", "FusedNormResnetBlock2D")
 
 
 @dataclass
@@ -124,6 +124,15 @@ class AccelerateConfig:
     default: it halves the accumulator width for a speed that depends on the GPU — none on an H100,
     whose tensor cores accumulate fp16 products in fp32 at the same rate (0.94×, BENCHMARKS.md). Only
     with a float16 U-Net on CUDA."""
+    fuse_norm: bool = False
+    """GroupNorm (+ the SiLU after it) of the U-Net and VAE as rapiddiff's own Triton kernels
+    (:mod:`rapiddiff.infer.fast_norm`): three launches that each fill the GPU instead of Inductor's one
+    program per (sample, group); a ResNet block's conv bias and time embedding enter its second norm
+    directly. At 32² and above; CUDA with Triton only."""
+    fuse_geglu: bool = False
+    """The transformer blocks' GEGLU (projection, split, GELU, product) as one Triton kernel
+    (:mod:`rapiddiff.infer.fast_geglu`): the (tokens × 2·inner) product never goes through memory.
+    CUDA with Triton only; a LoRA-wrapped projection keeps the stock module."""
     autotune: str = "off"
     """Inductor max-autotune for the compiled U-Net and VAE decoder, restricted to: "convs"
     (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS),
@@ -149,10 +158,9 @@ class AccelerateConfig:
             raise ValueError(f"aoti must be one of {', '.join(fast_aoti.MODES)}; got {self.aoti!r}")
         if self.autotune not in AUTOTUNE_MODES:
             raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {self.autotune!r}")
-        if not isinstance(self.cudnn_benchmark, bool):
-            raise ValueError(f"cudnn_benchmark must be true or false; got {self.cudnn_benchmark!r}")
-        if not isinstance(self.fp16_accumulate, bool):
-            raise ValueError(f"fp16_accumulate must be true or false; got {self.fp16_accumulate!r}")
+        for key in ("cudnn_benchmark", "fp16_accumulate", "fuse_norm", "fuse_geglu"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false; got {getattr(self, key)!r}")
 
     @classmethod
     def off(cls, **overrides: Any) -> AccelerateConfig:
@@ -287,6 +295,7 @@ def compile_cache_file(path: str, config: AccelerateConfig) -> str:
         tags.append("cudnn-benchmark")
     if config.fp16_accumulate:  # not in Inductor's cache key: autotune's GEMM timings depend on it
         tags.append("fp16-accumulate")
+    tags += [name.replace("_", "-") for name in ("fuse_norm", "fuse_geglu") if getattr(config, name)]
     if not tags:
         return path
     p = Path(path)
@@ -387,6 +396,7 @@ class GraphDenoiser:
             self._set("fuse_qkv", "off")
 
         self._install_attention()
+        self._install_kernels(lora)
 
         if cfg.fp8:
             ok, why = fp8_supported(self.device)
@@ -411,6 +421,37 @@ class GraphDenoiser:
             self._loop_kind = cfg.loop
             self._set("loop", cfg.loop)
         self._setup_aoti()
+
+    def _install_kernels(self, lora: bool) -> None:
+        """fuse_norm and fuse_geglu: rapiddiff's Triton kernels swapped into the U-Net and VAE."""
+        cfg = self.config
+        why = _triton_kernels_missing(self.device)
+        if not cfg.fuse_norm:
+            self._set("fuse_norm", "off")
+        elif why:
+            self._set("fuse_norm", f"fallback: off ({why})")
+        else:
+            from rapiddiff.infer.fast_norm import fuse_norms
+
+            unet, vae = fuse_norms(self.unet), fuse_norms(self.vae)
+            skipped = unet["skipped"] + vae["skipped"]
+            self._set(
+                "fuse_norm",
+                f"on (U-Net: {unet['resnets']} ResNet blocks, {unet['norms']} other norms; "
+                f"VAE: {vae['resnets']} and {vae['norms']}"
+                + (f"; {skipped} blocks of another kind kept stock" if skipped else "")
+                + ")",
+            )
+        if not cfg.fuse_geglu:
+            self._set("fuse_geglu", "off")
+        elif why:
+            self._set("fuse_geglu", f"fallback: off ({why})")
+        else:
+            from rapiddiff.infer.fast_geglu import fuse_geglu
+
+            count = fuse_geglu(self.unet)
+            kept = " (LoRA-wrapped projections kept stock)" if lora else ""
+            self._set("fuse_geglu", f"on ({count} GEGLU layers){kept}")
 
     def _setup_aoti(self) -> None:
         cfg = self.config
@@ -800,6 +841,7 @@ class GraphDenoiser:
             "fp16_accumulate": self._fp16_accumulate,
             "autotune": cfg.autotune if self._autotune else "off",
         }
+        kernels = {k: self.report.get(k, "off").startswith("on") for k in ("fuse_norm", "fuse_geglu")}
         return {
             "unet": {
                 "shapes": {
@@ -813,13 +855,14 @@ class GraphDenoiser:
                     "attention": attention,
                     "cross_kv_cache": cfg.cross_kv_cache,
                     "fp8": self.report.get("fp8", "off").startswith("on"),
+                    **kernels,
                     **tuning,
                 },
                 "inductor": self._autotune,
             },
             "decoder": {
                 "shapes": {"latents": list(noise_shape)},
-                "switches": {"channels_last": cfg.channels_last, **tuning},
+                "switches": {"channels_last": cfg.channels_last, "fuse_norm": kernels["fuse_norm"], **tuning},
                 "inductor": self._autotune,
             },
         }
@@ -934,6 +977,17 @@ def _make_plan(
         return clipped_ddim_plan(scheduler, steps, start=start)
     except PlanUnsupported:
         return reason
+
+
+def _triton_kernels_missing(device: torch.device) -> str | None:
+    """Why rapiddiff's Triton kernels cannot run here (None: they can)."""
+    if device.type != "cuda":
+        return f"the kernels are Triton GPU kernels; this is {device.type}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
 
 
 def _unmerged_lora(model: torch.nn.Module) -> bool:
