@@ -133,6 +133,10 @@ class AccelerateConfig:
     """The transformer blocks' GEGLU (projection, split, GELU, product) as one Triton kernel
     (:mod:`rapiddiff.infer.fast_geglu`): the (tokens × 2·inner) product never goes through memory.
     CUDA with Triton only; a LoRA-wrapped projection keeps the stock module."""
+    conv_1x1_as_mm: bool = False
+    """1×1 convolutions (the transformers' proj_in/proj_out, the ResNet shortcuts: 46 per SD 1.5
+    evaluation) lowered by Inductor as matrix products — cuBLAS with the bias in the epilogue — instead
+    of cuDNN convolutions (Inductor's ``conv_1x1_as_mm``, a per-compile option like ``autotune``)."""
     autotune: str = "off"
     """Inductor max-autotune for the compiled U-Net and VAE decoder, restricted to: "convs"
     (Triton convolution templates vs cuDNN), "gemm" (Triton matrix-product templates vs cuBLAS),
@@ -158,7 +162,7 @@ class AccelerateConfig:
             raise ValueError(f"aoti must be one of {', '.join(fast_aoti.MODES)}; got {self.aoti!r}")
         if self.autotune not in AUTOTUNE_MODES:
             raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {self.autotune!r}")
-        for key in ("cudnn_benchmark", "fp16_accumulate", "fuse_norm", "fuse_geglu"):
+        for key in ("cudnn_benchmark", "fp16_accumulate", "fuse_norm", "fuse_geglu", "conv_1x1_as_mm"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false; got {getattr(self, key)!r}")
 
@@ -295,7 +299,8 @@ def compile_cache_file(path: str, config: AccelerateConfig) -> str:
         tags.append("cudnn-benchmark")
     if config.fp16_accumulate:  # not in Inductor's cache key: autotune's GEMM timings depend on it
         tags.append("fp16-accumulate")
-    tags += [name.replace("_", "-") for name in ("fuse_norm", "fuse_geglu") if getattr(config, name)]
+    switches = ("fuse_norm", "fuse_geglu", "conv_1x1_as_mm")
+    tags += [name.replace("_", "-") for name in switches if getattr(config, name)]
     if not tags:
         return path
     p = Path(path)
@@ -344,7 +349,10 @@ class GraphDenoiser:
         self._cache_path = compile_cache_file(config.compile_cache, config) if config.compile_cache else None
         self._cudnn_benchmark = False  # on where it applies (CUDA with cuDNN's plan cache)
         self._fp16_accumulate = False  # on where it applies (CUDA, a torch with the flag, float16)
-        self._autotune: dict[str, Any] = {}  # Inductor options the U-Net/decoder compile with
+        self._autotune: dict[
+            str, Any
+        ] = {}  # Inductor options the U-Net/decoder compile with (autotune, conv_1x1_as_mm)
+        self._autotune_mode = "off"  # the autotune mode as applied (a fallback builds what off builds)
         self._gemm_filter = False  # autotune="convs": GEMMs kept on ATen while compiling
         self._gemm_dropped = 0
         self._aoti: fast_aoti.PackageStore | None = None
@@ -472,7 +480,8 @@ class GraphDenoiser:
             self._set("aoti", f"{cfg.aoti} ({folder}; per shape at first use)")
 
     def _setup_tuning(self) -> None:
-        """cudnn_benchmark, fp16_accumulate and autotune: decide what applies here (all act at first call)."""
+        """cudnn_benchmark, fp16_accumulate, autotune and conv_1x1_as_mm: decide what applies here (all
+        act at first call)."""
         cfg = self.config
         lru = os.environ.get("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "").strip()
         if not cfg.cudnn_benchmark:
@@ -516,6 +525,17 @@ class GraphDenoiser:
                 "fp16_accumulate",
                 "on (cuBLAS fp16 GEMMs accumulate in fp16; the flag is set only inside the fast path's calls)",
             )
+        self._setup_autotune()
+        if not cfg.conv_1x1_as_mm:
+            self._set("conv_1x1_as_mm", "off")
+        elif not (cfg.compile_unet or cfg.compile_vae):
+            self._set("conv_1x1_as_mm", "fallback: off (nothing is compiled: it is an Inductor lowering)")
+        else:
+            self._autotune = {**self._autotune, "conv_1x1_as_mm": True}
+            self._set("conv_1x1_as_mm", "on (Inductor lowers 1×1 convolutions as matrix products)")
+
+    def _setup_autotune(self) -> None:
+        cfg = self.config
         mode = cfg.autotune
         if mode == "off":
             self._set("autotune", "off")
@@ -536,7 +556,7 @@ class GraphDenoiser:
                 "fallback: off (this torch has no hook to keep the GEMMs on ATen for convs-only tuning)",
             )
         else:
-            self._autotune, self._gemm_filter = options, mode == "convs"
+            self._autotune, self._gemm_filter, self._autotune_mode = options, mode == "convs", mode
             what = {
                 "convs": "Triton convolution templates vs cuDNN; GEMMs on ATen",
                 "gemm": "Triton GEMM templates vs cuBLAS (1×1 convolutions included); k×k convolutions on cuDNN",
@@ -839,7 +859,7 @@ class GraphDenoiser:
         tuning = {
             "cudnn_benchmark": self._cudnn_benchmark,
             "fp16_accumulate": self._fp16_accumulate,
-            "autotune": cfg.autotune if self._autotune else "off",
+            "autotune": self._autotune_mode,
         }
         kernels = {k: self.report.get(k, "off").startswith("on") for k in ("fuse_norm", "fuse_geglu")}
         return {

@@ -88,7 +88,9 @@ def test_profile_takes_variants_and_buckets_cudnn_attention_as_attention():
     with pytest.raises(ValueError, match="profile variants are rapiddiff"):
         BenchConfig(profile_variants=("recipe",))
     # cuDNN names its attention kernel "..._sdpa_..._fprop_...": attention, not a convolution
-    assert _family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64") == "attention"
+    assert (
+        _family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64") == "attention"
+    )
     assert _family("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
     assert _family("rapiddiff_gn_apply") == "rapiddiff Triton kernels"
     assert _family("triton_per_fused_add_native_group_norm_silu_31") == "fused Triton (norms, elementwise)"

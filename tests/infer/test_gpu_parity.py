@@ -44,6 +44,7 @@ GPU_SWITCHES = {
     "cudnn_benchmark": {"dtype": "float16", "cudnn_benchmark": True, "loop": "graph"},
     "fp16_accumulate": {"dtype": "float16", "fp16_accumulate": True, "loop": "graph"},
     "autotune=convs": {"dtype": "float16", "autotune": "convs", **TUNED_COMPILE},
+    "conv_1x1_as_mm": {"dtype": "float16", "conv_1x1_as_mm": True, **TUNED_COMPILE},
     "cudnn_benchmark+autotune=all": {
         "dtype": "float16",
         "cudnn_benchmark": True,

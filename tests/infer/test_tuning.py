@@ -239,6 +239,29 @@ def test_a_package_built_with_other_tuning_switches_is_stale(tiny_model, tmp_pat
     assert 'switches.autotune: "off" → "convs"' in reason and "inductor.max_autotune_gemm" in reason
 
 
+def test_conv_1x1_as_mm_is_an_inductor_option_in_the_report_cache_name_and_key(tiny_model, tmp_path):
+    fast = accelerate(RapidDiffusionPipeline.from_pretrained(tiny_model), conv_1x1_as_mm=True)
+    assert fast.report["conv_1x1_as_mm"].startswith("on (Inductor lowers 1×1 convolutions")
+    assert fast.denoiser._compile_kwargs("default")["options"]["conv_1x1_as_mm"] is True
+    eager = accelerate(
+        RapidDiffusionPipeline.from_pretrained(tiny_model),
+        conv_1x1_as_mm=True,
+        compile_unet=None,
+        compile_vae=None,
+    )
+    assert eager.report["conv_1x1_as_mm"].startswith("fallback: off (nothing is compiled")
+    path = str(tmp_path / "cache.bin")
+    assert compile_cache_file(path, AccelerateConfig(conv_1x1_as_mm=True)).endswith(
+        "cache.conv-1x1-as-mm.bin"
+    )
+    off, on = _package_key(tiny_model), _package_key(tiny_model, conv_1x1_as_mm=True)
+    for part in ("unet", "decoder"):
+        assert (
+            on[part]["inductor"]["conv_1x1_as_mm"] is True and "conv_1x1_as_mm" not in off[part]["inductor"]
+        )
+        assert on[part]["switches"]["autotune"] == "off"  # the option is not an autotune mode
+
+
 # ---- the bench's variants ----------------------------------------------------------------------------
 def test_variant_grammar():
     assert parse_variant("rapiddiff") == {} and parse_variant("recipe") == {}
