@@ -150,7 +150,8 @@ def _fused_class() -> type:
         """diffusers' ``GEGLU`` (its ``proj`` kept) computed by :func:`geglu` where it can run."""
 
         def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if torch.is_grad_enabled() or not hidden_states.is_cuda:  # the kernel has no backward
+            # No backward in the kernel; a projection wrapped since the swap (a LoRA) needs its own forward.
+            if torch.is_grad_enabled() or not hidden_states.is_cuda or type(self.proj) is not nn.Linear:
                 return super().forward(hidden_states, *args, **kwargs)
             return geglu(hidden_states, self.proj.weight, self.proj.bias)
 

@@ -326,7 +326,8 @@ def _resnet_class() -> type:
         addend. Falls back to the stock forward where the op would not run (CPU, gradients on)."""
 
         def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | None, *args: Any, **kwargs: Any):
-            if not _fused_path(input_tensor, self.norm1.num_groups):
+            # _plain_resnet again: layers wrapped since the swap (a LoRA loaded later) need their own forward.
+            if not _fused_path(input_tensor, self.norm1.num_groups) or not _plain_resnet(self):
                 return super().forward(input_tensor, temb, *args, **kwargs)
             n1, n2 = self.norm1, self.norm2
             h = group_norm_act(input_tensor, n1.weight, n1.bias, None, n1.num_groups, n1.eps, True)

@@ -312,3 +312,32 @@ def test_fused_unet_and_decoder_match_stock_on_the_gpu(compiled):
     for ours, ref in ((a, b), (d, e)):
         assert torch.isfinite(ours).all()
         assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+
+
+def test_a_layer_wrapped_after_the_swap_keeps_its_own_forward(monkeypatch):
+    """A LoRA loaded after ``accelerate`` wraps conv1 in a module of its own: the fused forward must not
+    read the wrapped layer's base weight and skip the side branch, so it runs the stock forward."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    monkeypatch.setattr(fast_norm, "_fused_path", lambda x, groups: fast_norm.supported(x, groups))
+    monkeypatch.setattr(fast_norm, "group_norm_act", fast_norm.reference)
+
+    class SideBranch(torch.nn.Module):  # stands in for a PEFT LoRA layer around the convolution
+        def __init__(self, base: torch.nn.Conv2d) -> None:
+            super().__init__()
+            self.base_layer, self.weight, self.bias = base, base.weight, base.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base_layer(x) + 1.0
+
+    block = ResnetBlock2D(in_channels=64, temb_channels=32).eval()
+    holder = torch.nn.ModuleDict({"block": block})
+    fast_norm.fuse_norms(holder)
+    x, temb = torch.randn(2, 64, 8, 8), torch.randn(2, 32)
+    with torch.no_grad():
+        fused_plain = block(x, temb)
+        torch.testing.assert_close(fused_plain, ResnetBlock2D.forward(block, x, temb))  # the fused path ran
+        block.conv1 = SideBranch(block.conv1)
+        wrapped = block(x, temb)
+        torch.testing.assert_close(wrapped, ResnetBlock2D.forward(block, x, temb))
+    assert not torch.allclose(wrapped, fused_plain)  # the side branch counted
