@@ -27,7 +27,9 @@ one PNG with every variant's first image side by side.
 
 from __future__ import annotations
 
+import csv
 import gc
+import io
 import json
 import math
 import os
@@ -545,8 +547,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 extra["compile_cache_mib"] = os.path.getsize(cache) / 2**20
                 print("second process:", json.dumps(extra["second_process"])[:800], flush=True)
         elif task == "profile":
-            if device.type == "cuda":
-                extra["profile"] = profile_fast(cfg, device, out)
+            extra["profile"] = profile_fast(cfg, device, out)
         else:
             variant, batch, switches = args
             log.info("bench: %s at batch %d %s", variant, batch, switches or "")
@@ -603,7 +604,10 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
 
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
 
-    texts, summaries, csv_rows = [], [], ["variant,family,calls,total_us,mean_us,kernel"]
+    texts, summaries = [], []
+    table_csv = io.StringIO()
+    rows_csv = csv.writer(table_csv)  # variant names hold commas (rapiddiff+A=1,B=2): quoted where needed
+    rows_csv.writerow(["variant", "family", "calls", "total_us", "mean_us", "kernel"])
     for variant in cfg.profile_variants:
         pipe = build_pipeline(cfg, device)
         config = AccelerateConfig(**{"dtype": cfg.dtype, **parse_variant(variant), "loop": "resident"})
@@ -617,25 +621,30 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
         }
         fast([PROMPT], **kw)
         fast([PROMPT], **kw)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cuda = device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             fast([PROMPT], **kw)
         events = prof.key_averages()
-        table = events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=100)
+        sort = "cuda_time_total" if cuda else "self_cpu_time_total"
+        table = events.table(sort_by=sort, row_limit=30, max_name_column_width=100)
         families: dict[str, float] = {}
         for evt in events:
-            us = float(
-                getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0
-            )
+            if cuda:
+                us = float(
+                    getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0
+                )
+            else:  # a CPU run (tests, smoke runs): its operators' own time
+                us = float(getattr(evt, "self_cpu_time_total", 0) or 0)
             if us > 0:
                 family = _family(evt.key)
                 families[family] = families.get(family, 0.0) + us / 1e3
-                name = evt.key.replace('"', "'")
-                csv_rows.append(
-                    f'{variant},{family},{evt.count},{us:.1f},{us / max(evt.count, 1):.2f},"{name}"'
+                rows_csv.writerow(
+                    [variant, family, evt.count, f"{us:.1f}", f"{us / max(evt.count, 1):.2f}", evt.key]
                 )
         plan = fast.denoiser.plan_for(fast.scheduler, cfg.steps)
         evals = plan if isinstance(plan, str) else plan.num_evaluations
-        summary = f"{variant}: GPU time of one image by kernel family (ms; U-Net ×{evals} evaluations + decode + text):\n"
+        what = "GPU time" if cuda else "CPU time (operators)"
+        summary = f"{variant}: {what} of one image by kernel family (ms; U-Net ×{evals} evaluations + decode + text):\n"
         summary += "\n".join(
             f"  {k:<34} {v:8.2f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1])
         )
@@ -646,7 +655,7 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
         del fast, pipe
         free_memory()
     atomic_write_text(out / "profile.txt", "\n\n".join(texts))
-    atomic_write_text(out / "profile.csv", "\n".join(csv_rows) + "\n")
+    atomic_write_text(out / "profile.csv", table_csv.getvalue())
     return "\n\n".join(summaries)
 
 

@@ -94,3 +94,25 @@ def test_profile_takes_variants_and_buckets_cudnn_attention_as_attention():
     assert _family("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
     assert _family("rapiddiff_gn_apply") == "rapiddiff Triton kernels"
     assert _family("triton_per_fused_add_native_group_norm_silu_31") == "fused Triton (norms, elementwise)"
+
+
+def test_profile_writes_each_variants_families_and_every_kernel(tmp_path):
+    """On a CPU the profile is of operators (the device call reads the same files for kernels)."""
+    import csv
+
+    import torch
+
+    from rapiddiff.infer.bench import profile_fast
+
+    variants = ("rapiddiff+compile_unet=None,compile_vae=None", "rapiddiff+fuse_norm=true,compile_unet=None")
+    cfg = BenchConfig(preset="tiny", steps=2, dtype="float32", device="cpu", compile=False,
+                      profile=True, profile_variants=variants, out=str(tmp_path))  # fmt: skip
+    summary = profile_fast(cfg, torch.device("cpu"), tmp_path)
+    assert all(f"{v}: CPU time (operators) of one image" in summary for v in variants)
+    text = (tmp_path / "profile.txt").read_text()
+    assert "convolution" in text and "  total " in text
+    with open(tmp_path / "profile.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["variant"] for r in rows} == set(variants)  # commas inside a variant stay one field
+    assert all(int(r["calls"]) > 0 and float(r["total_us"]) > 0 for r in rows)
+    assert any(r["family"] == "convolution" for r in rows)
