@@ -1,9 +1,11 @@
 """GroupNorm (+ SiLU) on channels-last activations as our own Triton kernels: the ``fuse_norm`` switch.
 
-Why not Inductor's: Inductor fuses a GroupNorm with its neighbours, but it reduces each (sample,
-group) in one program, so at batch 2 an SD 1.5 GroupNorm runs on 2 × 32 = 64 programs — half the
-132 SMs of an H100, each streaming a whole group (BENCHMARKS.md, "GroupNorm as three kernels").
-Here one GroupNorm is three launches that each fill the GPU:
+Why our own: in the H200 profile of the fast path (BENCHMARKS.md, "Where the batch-1 time goes")
+Inductor's fused GroupNorm+SiLU kernels at SD 1.5's 64² level take 8–17 µs a call where the bytes
+they move need ~3.5 µs at the H100's copy rate; if each (sample, group) pair is reduced by one
+program — 64 at batch 2 — most of the 132 SMs sit idle. Whether these kernels do better, shape by shape, is what
+``benchmarks/fast_kernels_check.py`` measures. Here one GroupNorm is three launches that each fill
+the GPU:
 
 1. ``rapiddiff_gn_partial``: every (row block, 64-channel block) tile of the NHWC tensor gives per-channel
    mean and M2 (sum of squared deviations) over its rows;
