@@ -15,6 +15,7 @@ a subclass whose forward calls the op, in place (same weights, keys and ``isinst
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -143,7 +144,9 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Te
     return launch(x, weight, bias, wrap=torch.library.wrap_triton)
 
 
-def _fused_class() -> type:
+@functools.cache
+def fused_class() -> type:
+    """The GEGLU subclass (made on first use: diffusers is imported lazily)."""
     from diffusers.models.activations import GEGLU
 
     class FusedGEGLU(GEGLU):
@@ -156,17 +159,6 @@ def _fused_class() -> type:
             return geglu(hidden_states, self.proj.weight, self.proj.bias)
 
     return FusedGEGLU
-
-
-_FUSED_CLASS: type | None = None
-
-
-def fused_class() -> type:
-    """The GEGLU subclass (made on first use: diffusers is imported lazily)."""
-    global _FUSED_CLASS
-    if _FUSED_CLASS is None:
-        _FUSED_CLASS = _fused_class()
-    return _FUSED_CLASS
 
 
 def fuse_geglu(model: nn.Module) -> int:

@@ -29,6 +29,7 @@ state-dict keys and ``isinstance`` stay as they were.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -319,7 +320,9 @@ def _plain_resnet(block: nn.Module) -> bool:
     )
 
 
-def _resnet_class() -> type:
+@functools.cache
+def fused_resnet_class() -> type:
+    """The ResnetBlock2D subclass (made on first use: diffusers is imported lazily)."""
     from diffusers.models.resnet import ResnetBlock2D
 
     class FusedNormResnetBlock2D(ResnetBlock2D):
@@ -350,17 +353,6 @@ def _resnet_class() -> type:
             return (shortcut + h) / self.output_scale_factor
 
     return FusedNormResnetBlock2D
-
-
-_RESNET_CLASS: type | None = None
-
-
-def fused_resnet_class() -> type:
-    """The ResnetBlock2D subclass (made on first use: diffusers is imported lazily)."""
-    global _RESNET_CLASS
-    if _RESNET_CLASS is None:
-        _RESNET_CLASS = _resnet_class()
-    return _RESNET_CLASS
 
 
 def fuse_norms(model: nn.Module) -> dict[str, int]:
