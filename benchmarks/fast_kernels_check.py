@@ -21,11 +21,14 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from rapiddiff.infer.bench import rel_err
 
 
 def shapes_of(model: torch.nn.Module, run: Any) -> dict[str, list[tuple]]:
@@ -69,8 +72,9 @@ def bench_ms(fn: Any) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+def gn_bytes(shape: tuple[int, ...], itemsize: int = 2) -> int:
+    """Fewest bytes a GroupNorm of ``shape`` moves: read x twice (statistics, apply), write y once."""
+    return 3 * math.prod(shape) * itemsize
 
 
 def check_gn(shape: tuple, groups: int, count: int, device: torch.device) -> dict[str, Any]:
@@ -87,8 +91,8 @@ def check_gn(shape: tuple, groups: int, count: int, device: torch.device) -> dic
     row: dict[str, Any] = {"shape": list(shape), "groups": groups, "per_eval": count}
     ref = fast_norm.reference(x.double(), wt.double(), b.double(), add.double(), groups, 1e-5, True)
     ours = fast_norm.launch(x, wt, b, add, groups, 1e-5, True)
-    row["rel_err"] = rel(ours, ref)
-    row["rel_err_stock_fp16"] = rel(fast_norm.reference(x, wt, b, add, groups, 1e-5, True), ref)
+    row["rel_err"] = rel_err(ours, ref)
+    row["rel_err_stock_fp16"] = rel_err(fast_norm.reference(x, wt, b, add, groups, 1e-5, True), ref)
 
     def inductor_fn(x: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
         return F.silu(F.group_norm(x + add[:, :, None, None], groups, wt, b, 1e-5))
@@ -100,7 +104,7 @@ def check_gn(shape: tuple, groups: int, count: int, device: torch.device) -> dic
             row[f"ours_{block}_us"] = 1e3 * bench_ms(
                 lambda block=block: fast_norm.launch(x, wt, b, add, groups, 1e-5, True, block_hw=block)
             )
-    row["floor_us"] = fast_norm.gn_bytes(shape) / 3.0e12 * 1e6  # ~3.0 TB/s measured copy rate (H100)
+    row["floor_us"] = gn_bytes(shape) / 3.0e12 * 1e6  # ~3.0 TB/s measured copy rate (H100)
     row["best_ours_us"] = min(row["ours_64_us"], row["ours_128_us"], row["ours_32_us"])
     return row
 
@@ -117,8 +121,8 @@ def check_geglu(m: int, n: int, k: int, count: int, device: torch.device) -> dic
     ref = fast_geglu.reference(x.double(), wt.double(), b.double())
     cpu_config = None if device.type == "cuda" else (32, 32, 32, 4, 2)  # the interpreter times nothing
     ours = fast_geglu.launch(x, wt, b, config=cpu_config)
-    row["rel_err"] = rel(ours, ref)
-    row["rel_err_stock_fp16"] = rel(fast_geglu.reference(x, wt, b), ref)
+    row["rel_err"] = rel_err(ours, ref)
+    row["rel_err_stock_fp16"] = rel_err(fast_geglu.reference(x, wt, b), ref)
     best = getattr(fast_geglu._geglu_tuned, "best_config", None)
     row["config"] = str(best)
     compiled = (
@@ -195,12 +199,9 @@ def main() -> None:
     }
     print(f"shapes recorded in {time.time() - began:.1f} s", flush=True)
 
-    def counted(items: list[tuple]) -> list[tuple[tuple, int]]:
-        tally: dict[tuple, int] = {}
-        for item in items:
-            tally[item] = tally.get(item, 0) + 1
+    def counted(items: list[tuple]) -> list[tuple[tuple, int]]:  # distinct shapes, largest first
         return sorted(
-            tally.items(), key=lambda kv: -math.prod(kv[0][0]) if isinstance(kv[0][0], tuple) else 0
+            Counter(items).items(), key=lambda kv: -math.prod(kv[0][0]) if isinstance(kv[0][0], tuple) else 0
         )
 
     def save(key: str, row: Any) -> None:  # after every row: a call cut short keeps what it measured

@@ -66,7 +66,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 AUTOTUNE_MODES = ("off", "convs", "gemm", "all", "pointwise")
 LOOPS = ("graph", "resident", "eager")
 # compile_regions: the U-Net's repeated blocks (diffusers' _repeated_blocks names only the first).
-REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D", "FusedNormResnetBlock2D")
+REGION_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
 
 
 @dataclass
@@ -349,9 +349,8 @@ class GraphDenoiser:
         self._cache_path = compile_cache_file(config.compile_cache, config) if config.compile_cache else None
         self._cudnn_benchmark = False  # on where it applies (CUDA with cuDNN's plan cache)
         self._fp16_accumulate = False  # on where it applies (CUDA, a torch with the flag, float16)
-        self._autotune: dict[
-            str, Any
-        ] = {}  # Inductor options the U-Net/decoder compile with (autotune, conv_1x1_as_mm)
+        # Inductor options the U-Net/decoder compile with (autotune's patch, conv_1x1_as_mm)
+        self._inductor_options: dict[str, Any] = {}
         self._autotune_mode = "off"  # the autotune mode as applied (a fallback builds what off builds)
         self._gemm_filter = False  # autotune="convs": GEMMs kept on ATen while compiling
         self._gemm_dropped = 0
@@ -531,7 +530,7 @@ class GraphDenoiser:
         elif not (cfg.compile_unet or cfg.compile_vae):
             self._set("conv_1x1_as_mm", "fallback: off (nothing is compiled: it is an Inductor lowering)")
         else:
-            self._autotune = {**self._autotune, "conv_1x1_as_mm": True}
+            self._inductor_options = {**self._inductor_options, "conv_1x1_as_mm": True}
             self._set("conv_1x1_as_mm", "on (Inductor lowers 1×1 convolutions as matrix products)")
 
     def _setup_autotune(self) -> None:
@@ -556,7 +555,7 @@ class GraphDenoiser:
                 "fallback: off (this torch has no hook to keep the GEMMs on ATen for convs-only tuning)",
             )
         else:
-            self._autotune, self._gemm_filter, self._autotune_mode = options, mode == "convs", mode
+            self._inductor_options, self._gemm_filter, self._autotune_mode = options, mode == "convs", mode
             what = {
                 "convs": "Triton convolution templates vs cuDNN; GEMMs on ATen",
                 "gemm": "Triton GEMM templates vs cuBLAS (1×1 convolutions included); k×k convolutions on cuDNN",
@@ -570,11 +569,11 @@ class GraphDenoiser:
 
     def _compile_kwargs(self, mode: str) -> dict[str, Any]:
         """torch.compile's mode, or with autotune the mode's options plus the autotune patch."""
-        if not self._autotune:
+        if not self._inductor_options:
             return {"mode": mode}
         import torch._inductor
 
-        return {"options": {**torch._inductor.list_mode_options(mode), **self._autotune}}
+        return {"options": {**torch._inductor.list_mode_options(mode), **self._inductor_options}}
 
     @contextlib.contextmanager
     def _tuning(self) -> Any:
@@ -627,7 +626,10 @@ class GraphDenoiser:
             unet_mode = "default" if unet_mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
             self._set("compile_unet", f"fallback: {unet_mode} (the loop graph already captures the U-Net)")
         if unet_mode and cfg.compile_regions:
-            blocks = [m for m in self.unet.modules() if type(m).__name__ in REGION_BLOCKS]
+            # By the class or a base of it: a block fuse_norm swapped to its subclass is still one.
+            blocks = [
+                m for m in self.unet.modules() if any(c.__name__ in REGION_BLOCKS for c in type(m).__mro__)
+            ]
             # Blocks of one class share a forward, and each distinct shape is a recompile of it:
             # SD 1.5 has more than Dynamo's default limit of 8, which fullgraph=True turns into a hard
             # failure (FailOnRecompileLimitHit, H100 2026-11-23). One graph per block at most.
@@ -878,12 +880,12 @@ class GraphDenoiser:
                     **kernels,
                     **tuning,
                 },
-                "inductor": self._autotune,
+                "inductor": self._inductor_options,
             },
             "decoder": {
                 "shapes": {"latents": list(noise_shape)},
                 "switches": {"channels_last": cfg.channels_last, "fuse_norm": kernels["fuse_norm"], **tuning},
-                "inductor": self._autotune,
+                "inductor": self._inductor_options,
             },
         }
 

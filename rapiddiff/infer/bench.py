@@ -608,20 +608,20 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
     table_csv = io.StringIO()
     rows_csv = csv.writer(table_csv)  # variant names hold commas (rapiddiff+A=1,B=2): quoted where needed
     rows_csv.writerow(["variant", "family", "calls", "total_us", "mean_us", "kernel"])
+    kw = {
+        "num_inference_steps": cfg.steps,
+        "guidance_scale": cfg.guidance,
+        "seed": cfg.seed,
+        "output_type": "np",
+        "progress": False,
+    }
+    cuda = device.type == "cuda"
     for variant in cfg.profile_variants:
         pipe = build_pipeline(cfg, device)
         config = AccelerateConfig(**{"dtype": cfg.dtype, **parse_variant(variant), "loop": "resident"})
         fast = accelerate(pipe, config)
-        kw = {
-            "num_inference_steps": cfg.steps,
-            "guidance_scale": cfg.guidance,
-            "seed": cfg.seed,
-            "output_type": "np",
-            "progress": False,
-        }
         fast([PROMPT], **kw)
         fast([PROMPT], **kw)
-        cuda = device.type == "cuda"
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             fast([PROMPT], **kw)
         events = prof.key_averages()

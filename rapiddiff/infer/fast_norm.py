@@ -30,7 +30,6 @@ state-dict keys and ``isinstance`` stay as they were.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -390,16 +389,10 @@ def fuse_norms(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-def gn_bytes(shape: tuple[int, ...], itemsize: int = 2) -> int:
-    """Fewest bytes a GroupNorm of ``shape`` moves: read x twice (statistics, apply), write y once."""
-    return 3 * math.prod(shape) * itemsize
-
-
 __all__ = [
     "FusedGroupNorm",
     "fuse_norms",
     "fused_resnet_class",
-    "gn_bytes",
     "group_norm_act",
     "launch",
     "reference",
