@@ -547,7 +547,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 extra["compile_cache_mib"] = os.path.getsize(cache) / 2**20
                 print("second process:", json.dumps(extra["second_process"])[:800], flush=True)
         elif task == "profile":
-            extra["profile"] = profile_fast(cfg, device, out)
+            deadline = began + cfg.budget_s if cfg.budget_s else float("inf")
+            extra["profile"] = profile_fast(cfg, device, out, deadline)
         else:
             variant, batch, switches = args
             log.info("bench: %s at batch %d %s", variant, batch, switches or "")
@@ -596,10 +597,14 @@ def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     return tasks
 
 
-def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
+def profile_fast(
+    cfg: BenchConfig, device: torch.device, out: Path, deadline: float = float("inf")
+) -> str:
     """GPU kernels of one image of each ``cfg.profile_variants`` without the loop graph (so each kernel
     is visible): the time by kernel family and the top kernels in ``out/profile.txt``, every kernel
-    (name, calls, total and mean µs, family, variant) in ``out/profile.csv``."""
+    (name, calls, total and mean µs, family, variant) in ``out/profile.csv``. Both files are rewritten
+    after each variant, and no variant starts after ``deadline`` (``time.perf_counter()``), so a run
+    cut short keeps the profiles it finished."""
     from torch.profiler import ProfilerActivity, profile
 
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
@@ -617,6 +622,10 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
     }
     cuda = device.type == "cuda"
     for variant in cfg.profile_variants:
+        if time.perf_counter() > deadline:
+            summaries.append(f"{variant}: not profiled (time budget {cfg.budget_s:.0f} s spent)")
+            print(summaries[-1], flush=True)
+            continue
         pipe = build_pipeline(cfg, device)
         config = AccelerateConfig(**{"dtype": cfg.dtype, **parse_variant(variant), "loop": "resident"})
         fast = accelerate(pipe, config)
@@ -654,8 +663,8 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path) -> str:
         print(summary, flush=True)
         del fast, pipe
         free_memory()
-    atomic_write_text(out / "profile.txt", "\n\n".join(texts))
-    atomic_write_text(out / "profile.csv", table_csv.getvalue())
+        atomic_write_text(out / "profile.txt", "\n\n".join(texts))
+        atomic_write_text(out / "profile.csv", table_csv.getvalue())
     return "\n\n".join(summaries)
 
 

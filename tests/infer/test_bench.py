@@ -116,3 +116,34 @@ def test_profile_writes_each_variants_families_and_every_kernel(tmp_path):
     assert {r["variant"] for r in rows} == set(variants)  # commas inside a variant stay one field
     assert all(int(r["calls"]) > 0 and float(r["total_us"]) > 0 for r in rows)
     assert any(r["family"] == "convolution" for r in rows)
+
+
+def test_profile_keeps_finished_variants_when_a_later_one_breaks_or_the_budget_is_spent(tmp_path, monkeypatch):
+    """A device call cut short must still bring back the profiles it finished."""
+    import time
+
+    import torch
+
+    from rapiddiff.infer import bench
+
+    variants = ("rapiddiff+compile_unet=None,compile_vae=None", "rapiddiff+fuse_norm=true,compile_unet=None")
+    cfg = BenchConfig(preset="tiny", steps=2, dtype="float32", device="cpu", compile=False,
+                      profile=True, profile_variants=variants, out=str(tmp_path))  # fmt: skip
+    built = []
+    real_build = bench.build_pipeline
+
+    def build_twice_then_break(*args, **kwargs):
+        built.append(1)
+        if len(built) == 2:
+            raise RuntimeError("killed")
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "build_pipeline", build_twice_then_break)
+    with pytest.raises(RuntimeError, match="killed"):
+        bench.profile_fast(cfg, torch.device("cpu"), tmp_path)
+    assert variants[0] in (tmp_path / "profile.csv").read_text()
+    assert variants[1] not in (tmp_path / "profile.csv").read_text()
+
+    built.clear()
+    summary = bench.profile_fast(cfg, torch.device("cpu"), tmp_path / "late", deadline=time.perf_counter())
+    assert not built and summary.count("not profiled (time budget") == 2
