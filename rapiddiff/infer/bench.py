@@ -597,9 +597,7 @@ def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     return tasks
 
 
-def profile_fast(
-    cfg: BenchConfig, device: torch.device, out: Path, deadline: float = float("inf")
-) -> str:
+def profile_fast(cfg: BenchConfig, device: torch.device, out: Path, deadline: float = float("inf")) -> str:
     """GPU kernels of one image of each ``cfg.profile_variants`` without the loop graph (so each kernel
     is visible): the time by kernel family and the top kernels in ``out/profile.txt``, every kernel
     (name, calls, total and mean µs, family, variant) in ``out/profile.csv``. Both files are rewritten

@@ -118,7 +118,9 @@ def test_profile_writes_each_variants_families_and_every_kernel(tmp_path):
     assert any(r["family"] == "convolution" for r in rows)
 
 
-def test_profile_keeps_finished_variants_when_a_later_one_breaks_or_the_budget_is_spent(tmp_path, monkeypatch):
+def test_profile_keeps_finished_variants_when_a_later_one_breaks_or_the_budget_is_spent(
+    tmp_path, monkeypatch
+):
     """A device call cut short must still bring back the profiles it finished."""
     import time
 
