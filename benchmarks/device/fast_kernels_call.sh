@@ -10,8 +10,10 @@
 #       the bench of rapiddiff against both kernel switches, a profile of each
 #   bash benchmarks/device/fast_kernels_call.sh second $OUT      # fuse_norm and conv_1x1_as_mm alone,
 #       and a kernel-by-kernel profile of fuse_norm and of rapiddiff
+#   bash benchmarks/device/fast_kernels_call.sh third $OUT       # rapiddiff and fuse_norm again, stacks
+#       dumped on a hang, and the attention-timing GPU tests
 set -u
-part=${1:?usage: fast_kernels_call.sh wheels | first OUT | second OUT}
+part=${1:?usage: fast_kernels_call.sh wheels | first OUT | second OUT | third OUT}
 if [ "$part" = wheels ]; then
   mkdir -p .wt/kw
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -43,6 +45,19 @@ if [ "$part" = first ]; then
   timeout 200 python3 benchmarks/fast_kernels_check.py --out "$out/k" > "$out/k/check.log" 2>&1
   echo "kernel check rc=$?"; cat "$out/k/kernels.md" 2>/dev/null || tail -20 "$out/k/check.log"
   bench "$out/b/bench.log" 280 --variants rapiddiff "$both" --profile rapiddiff "$both"
+elif [ "$part" = third ]; then
+  # The second call's fuse_norm row never finished warming up (400 s, no output): this time with every
+  # thread's stack dumped if it hangs, the GPU's clocks and load logged, and the attention backends
+  # timed through CUDA graphs (the first call's both-switches row lost its 8 % to a noisy pick).
+  timeout 150 python3 -m pytest tests/infer/test_fast_attention_timing.py -q -m gpu > "$out/k/tests.log" 2>&1
+  echo "attention timing tests rc=$?"; tail -3 "$out/k/tests.log"
+  nvidia-smi --query-gpu=timestamp,clocks.sm,utilization.gpu,power.draw --format=csv -l 10 > "$out/k/smi.csv" &
+  timeout -s ABRT 370 python3 -X faulthandler benchmarks/bench_sd15.py --preset sd15 --steps 50 --batch 1 \
+    --budget-s 290 --min-run-time 1.5 --out "$out/b" --variants rapiddiff rapiddiff+fuse_norm=true \
+    --profile rapiddiff+fuse_norm=true > "$out/b/bench.log" 2>&1
+  echo "bench rc=$?"; grep -E " b1:|skipped|FAILED|Fatal|File " "$out/b/bench.log" | cut -c1-300 | head -60
+  grep -A12 "GPU time of one image" "$out/b/bench.log" | head -20
+  kill %1
 else
   # The first call (2026-11-28) found both switches slower in the graph (0.92x) though fast_kernels_check
   # timed fuse_norm's kernels 513 us/eval faster than Inductor's alone: profile fuse_norm in the graph.
