@@ -27,7 +27,9 @@ one PNG with every variant's first image side by side.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import faulthandler
 import gc
 import io
 import json
@@ -39,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,9 @@ class BenchConfig:
     device: str = "auto"
     budget_s: float = 0.0
     """Skip the remaining tasks once this many seconds have passed (0: no limit)."""
+    stacks_after_s: float = 300.0
+    """Print every thread's stack to stderr when one task has run this long (0: never), so a task
+    that hangs on a device leaves where it hangs in the log."""
     token_merge: float = 0.5
     """The ToMe ratio of the ``rapiddiff-tome`` variant."""
 
@@ -529,17 +534,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         _save_grid(firsts, out / "first_images.png")
         return table
 
-    for task, args in plan_tasks(cfg):
-        spent = time.perf_counter() - began
-        if cfg.budget_s and spent > cfg.budget_s:
-            what = f"{args[0]} at batch {args[1]}" if task == "run" else task
-            log.warning(
-                "bench: time budget %.0f s spent (%.0f s); not starting %s", cfg.budget_s, spent, what
-            )
-            print(f"skipped (time budget {cfg.budget_s:.0f} s spent at {spent:.0f} s): {what}", flush=True)
-            extra.setdefault("skipped", []).append(what)
-            save()
-            continue
+    def run_task(task: str, args: Any) -> None:
         if task == "second_process":
             if device.type == "cuda" and os.path.exists(cache):
                 child_cfg = BenchConfig(**{**asdict(cfg), "batches": (1,), "second_process": False})
@@ -572,10 +567,39 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             _print_row(row)
             if first is not None and variant != "switch":
                 firsts.append((f"{variant} b{batch}", first))
+
+    for task, args in plan_tasks(cfg):
+        spent = time.perf_counter() - began
+        if cfg.budget_s and spent > cfg.budget_s:
+            what = f"{args[0]} at batch {args[1]}" if task == "run" else task
+            log.warning(
+                "bench: time budget %.0f s spent (%.0f s); not starting %s", cfg.budget_s, spent, what
+            )
+            print(f"skipped (time budget {cfg.budget_s:.0f} s spent at {spent:.0f} s): {what}", flush=True)
+            extra.setdefault("skipped", []).append(what)
+            save()
+            continue
+        with stacks_if_stuck(cfg.stacks_after_s):
+            run_task(task, args)
         save()
     table = save()
     print(table, flush=True)
     return {"meta": meta, "rows": [asdict(r) for r in rows], **extra}
+
+
+@contextlib.contextmanager
+def stacks_if_stuck(seconds: float) -> Iterator[None]:
+    """Print every thread's stack to stderr if the block is still running after ``seconds`` (0: off).
+    One H100 call lost 390 s to a variant whose warm-up never ended and left no trace of where."""
+    stream = sys.__stderr__
+    armed = seconds > 0 and stream is not None
+    if armed:
+        faulthandler.dump_traceback_later(seconds, file=stream)
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:

@@ -69,6 +69,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="start no task after this many seconds (each skipped one is named in the output)",
     )
+    parser.add_argument(
+        "--stacks-after-s",
+        type=float,
+        default=300.0,
+        help="print every thread's stack to stderr when one task has run this long, so a hang shows "
+        "where it is (0: never)",
+    )
     parser.add_argument("--out", default="bench-out", help="output folder")
     parser.set_defaults(func=run)
 
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         profile_variants=tuple(args.profile or ("rapiddiff",)),
         device=args.device,
         budget_s=args.budget_s,
+        stacks_after_s=args.stacks_after_s,
         out=args.out,
         token_merge=args.token_merge,
     )

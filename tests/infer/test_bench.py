@@ -149,3 +149,23 @@ def test_profile_keeps_finished_variants_when_a_later_one_breaks_or_the_budget_i
     built.clear()
     summary = bench.profile_fast(cfg, torch.device("cpu"), tmp_path / "late", deadline=time.perf_counter())
     assert not built and summary.count("not profiled (time budget") == 2
+
+
+def test_a_task_still_running_after_its_time_prints_every_stack(capfd):
+    """A device call's hang must leave where it hangs in the log."""
+    import time
+
+    from rapiddiff.infer.bench import stacks_if_stuck
+
+    with stacks_if_stuck(0.05):
+        time.sleep(0.5)
+    err = capfd.readouterr().err
+    assert "Timeout" in err and "test_a_task_still_running_after_its_time_prints_every_stack" in err
+    with stacks_if_stuck(5.0):
+        pass  # finished in time: the timer is cancelled
+    with stacks_if_stuck(0):
+        time.sleep(0.1)  # off
+    time.sleep(0.2)
+    assert capfd.readouterr().err == ""
+    args = build_parser().parse_args(["bench", "--stacks-after-s", "60"])
+    assert args.stacks_after_s == 60.0
