@@ -243,35 +243,28 @@ def choose_backends(
     return table
 
 
-def _median_ms(fn: Any, repeats: int = 20, per_graph: int = 10) -> float:
-    """The GPU time of one ``fn()``: the median over ``repeats`` replays of a CUDA graph of
-    ``per_graph`` calls. A graph's replay times the kernels alone, as the captured denoising loop runs
-    them. Timing each call between events also timed the host: on an H100 (2026-11-28), while an
-    earlier variant's compile workers were busy, that put cuDNN's 4,096-token attention at 385 µs
-    instead of 161 µs. It picked flash (277 µs) for 5 calls per evaluation, 8 % of the image. Per-call
-    events remain the fallback for a backend that cannot be captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture (cuDNN builds its plan here)
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+def _median_ms(fn: Any, repeats: int = 20) -> float:
+    """The GPU time of one ``fn()``: Triton's ``do_bench_cudagraph`` (the median over replays of a CUDA
+    graph of the calls), which times the kernels alone, as the captured denoising loop runs them.
+    Timing each call between events also timed the host: on an H100 (2026-11-28), while an earlier
+    variant's compile workers were busy, that put cuDNN's 4,096-token attention at 385 µs instead of
+    161 µs. It picked flash (277 µs) for 5 calls per evaluation, 8 % of the image. Per-call events
+    remain the fallback without Triton or for a backend that cannot be captured."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(per_graph):
-                fn()
-        run, calls = graph.replay, per_graph
-    except RuntimeError as err:
+        from triton.testing import do_bench_cudagraph
+
+        # rep: a graph of about 2 ms of calls, replayed 10 times: some 25 ms per backend and shape
+        return float(do_bench_cudagraph(fn, rep=2, return_mode="median"))
+    except (ImportError, RuntimeError) as err:
         log.debug("timing without a CUDA graph: %s", err)
-        run, calls = fn, 1
-    run()
+    for _ in range(3):
+        fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     for start, end in zip(starts, ends, strict=True):
         start.record()
-        run()
+        fn()
         end.record()
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-    return times[len(times) // 2] / calls
+    return times[len(times) // 2]
