@@ -12,8 +12,11 @@
 #       and a kernel-by-kernel profile of fuse_norm and of rapiddiff
 #   bash benchmarks/device/fast_kernels_call.sh third $OUT       # rapiddiff and fuse_norm again, stacks
 #       dumped on a hang, and the attention-timing GPU tests
+#   bash benchmarks/device/fast_kernels_call.sh fourth $OUT      # batch_time_proj against rapiddiff (twice,
+#       first and last, for drift) and the recipe; the GPU tests of the attention timing through Triton's
+#       do_bench_cudagraph and of the packed time projections
 set -u
-part=${1:?usage: fast_kernels_call.sh wheels | first OUT | second OUT | third OUT}
+part=${1:?usage: fast_kernels_call.sh wheels | first OUT | second OUT | third OUT | fourth OUT}
 if [ "$part" = wheels ]; then
   mkdir -p .wt/kw
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -45,6 +48,14 @@ if [ "$part" = first ]; then
   timeout 200 python3 benchmarks/fast_kernels_check.py --out "$out/k" > "$out/k/check.log" 2>&1
   echo "kernel check rc=$?"; cat "$out/k/kernels.md" 2>/dev/null || tail -20 "$out/k/check.log"
   bench "$out/b/bench.log" 280 --variants rapiddiff "$both" --profile rapiddiff "$both"
+elif [ "$part" = fourth ]; then
+  timeout 240 python3 -m pytest tests/infer/test_fast_attention_timing.py tests/infer/test_fast_time.py -q -m gpu \
+    > "$out/k/tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -4 "$out/k/tests.log"
+  timeout -s ABRT 480 python3 -X faulthandler benchmarks/bench_sd15.py --preset sd15 --steps 50 --batch 1 \
+    --budget-s 400 --min-run-time 2 --out "$out/b" --variants rapiddiff rapiddiff+batch_time_proj=true recipe \
+    rapiddiff+batch_time_proj=false > "$out/b/bench.log" 2>&1
+  echo "bench rc=$?"; grep -E " b1:|skipped|FAILED|Fatal|File " "$out/b/bench.log" | cut -c1-300 | head -60
 elif [ "$part" = third ]; then
   # The second call's fuse_norm row never finished warming up (400 s, no output): this time with every
   # thread's stack dumped if it hangs, the GPU's clocks and load logged, and the attention backends

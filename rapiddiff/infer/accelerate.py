@@ -133,6 +133,10 @@ class AccelerateConfig:
     """The transformer blocks' GEGLU (projection, split, GELU, product) as one Triton kernel
     (:mod:`rapiddiff.infer.fast_geglu`): the (tokens × 2·inner) product never goes through memory.
     CUDA with Triton only; a LoRA-wrapped projection keeps the stock module."""
+    batch_time_proj: bool = False
+    """The ResNet blocks' time-embedding projections (22 matrix-vector products per SD 1.5
+    evaluation) as one product over their stacked weights (:mod:`rapiddiff.infer.fast_time`); each
+    block takes its columns. Any device; U-Nets whose time embedding feeds only ResNet blocks."""
     conv_1x1_as_mm: bool = False
     """1×1 convolutions (the transformers' proj_in/proj_out, the ResNet shortcuts: 46 per SD 1.5
     evaluation) lowered by Inductor as matrix products — cuBLAS with the bias in the epilogue — instead
@@ -162,7 +166,14 @@ class AccelerateConfig:
             raise ValueError(f"aoti must be one of {', '.join(fast_aoti.MODES)}; got {self.aoti!r}")
         if self.autotune not in AUTOTUNE_MODES:
             raise ValueError(f"autotune must be one of {', '.join(AUTOTUNE_MODES)}; got {self.autotune!r}")
-        for key in ("cudnn_benchmark", "fp16_accumulate", "fuse_norm", "fuse_geglu", "conv_1x1_as_mm"):
+        for key in (
+            "cudnn_benchmark",
+            "fp16_accumulate",
+            "fuse_norm",
+            "fuse_geglu",
+            "batch_time_proj",
+            "conv_1x1_as_mm",
+        ):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false; got {getattr(self, key)!r}")
 
@@ -299,7 +310,7 @@ def compile_cache_file(path: str, config: AccelerateConfig) -> str:
         tags.append("cudnn-benchmark")
     if config.fp16_accumulate:  # not in Inductor's cache key: autotune's GEMM timings depend on it
         tags.append("fp16-accumulate")
-    switches = ("fuse_norm", "fuse_geglu", "conv_1x1_as_mm")
+    switches = ("fuse_norm", "fuse_geglu", "batch_time_proj", "conv_1x1_as_mm")
     tags += [name.replace("_", "-") for name in switches if getattr(config, name)]
     if not tags:
         return path
@@ -404,6 +415,7 @@ class GraphDenoiser:
 
         self._install_attention()
         self._install_kernels(lora)
+        self._install_time_proj()
 
         if cfg.fp8:
             ok, why = fp8_supported(self.device)
@@ -459,6 +471,18 @@ class GraphDenoiser:
             count = fuse_geglu(self.unet)
             kept = " (LoRA-wrapped projections kept stock)" if lora else ""
             self._set("fuse_geglu", f"on ({count} GEGLU layers){kept}")
+
+    def _install_time_proj(self) -> None:
+        if not self.config.batch_time_proj:
+            self._set("batch_time_proj", "off")
+            return
+        from rapiddiff.infer.fast_time import batch_time_proj
+
+        count, why = batch_time_proj(self.unet)
+        if why is not None:
+            self._set("batch_time_proj", f"fallback: off ({why})")
+        else:
+            self._set("batch_time_proj", f"on ({count} ResNet blocks' projections in one product)")
 
     def _setup_aoti(self) -> None:
         cfg = self.config
@@ -864,6 +888,9 @@ class GraphDenoiser:
             "autotune": self._autotune_mode,
         }
         kernels = {k: self.report.get(k, "off").startswith("on") for k in ("fuse_norm", "fuse_geglu")}
+        if self.report.get("batch_time_proj", "off").startswith("on"):
+            # Only when on, so that packages built before the switch existed keep their keys.
+            kernels["batch_time_proj"] = True
         return {
             "unet": {
                 "shapes": {

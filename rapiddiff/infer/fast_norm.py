@@ -339,7 +339,8 @@ def fused_resnet_class() -> type:
             h = F.conv2d(h, conv1.weight, None, conv1.stride, conv1.padding, conv1.dilation, conv1.groups)
             addend = conv1.bias
             if self.time_emb_proj is not None and temb is not None:
-                time = self.time_emb_proj(self.nonlinearity(temb))  # (N, C)
+                # skip_time_act: batch_time_proj already applied the SiLU (and the projection).
+                time = self.time_emb_proj(temb if self.skip_time_act else self.nonlinearity(temb))  # (N, C)
                 addend = time if addend is None else time + addend
             if addend is not None and addend.dim() == 1:
                 addend = addend.expand(h.shape[0], -1)

@@ -1,0 +1,113 @@
+"""The ResNet blocks' time-embedding projections as one matrix product: the ``batch_time_proj`` switch.
+
+Every ``ResnetBlock2D`` of a Stable Diffusion U-Net projects the same time embedding with its own
+``time_emb_proj`` (``linear(silu(emb))``): 22 matrix-vector products per SD 1.5 evaluation, each
+too small to fill the GPU — 154.5 µs one by one against 23.8 µs as one product on an H100
+(BENCHMARKS.md, issue 16, 2026-11-28). Here the U-Net's ``time_embedding`` computes ``emb`` as
+before and then ``linear(silu(emb), W, b)`` with every block's weights stacked, once; each block's
+``time_emb_proj`` becomes a slice of that result and the block skips its own SiLU
+(``skip_time_act``, diffusers' own flag). Same arithmetic, one launch.
+
+Inductor's ``batch_linear_lhs`` pre-grad pass would merge linears sharing an input, but it did not
+fire on these (a CPU check, 2026-11-28), so the merge is done on the modules, where the compiled
+graph, the eager path and AOTInductor all see it.
+
+Only U-Nets whose time embedding feeds nothing but plain ResNet blocks are changed (SD 1.x/2.x and
+the kshapes U-Net): no class or added embeddings, no activation after the embedding, plain
+``nn.Linear`` projections (a LoRA-wrapped one would lose its side branch). Anything else is left as
+it was, with the reason. The weights are copied at the swap: a LoRA on the time projections
+must be merged before it (the project's own LoRA targets attention only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PackedTimeEmbedding(nn.Module):
+    """``time_embedding`` followed by every ResNet block's projection of it, as one product.
+
+    Returns ``(N, sum of the blocks' widths)``: block ``i``'s projection is columns
+    ``offsets[i] : offsets[i] + widths[i]``.
+    """
+
+    def __init__(self, embedding: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, sample: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+        emb = self.embedding(sample, condition)
+        return F.linear(F.silu(emb), self.weight, self.bias)
+
+
+class PackedTimeSlice(nn.Module):
+    """A block's ``time_emb_proj`` after packing: its columns of :class:`PackedTimeEmbedding`'s output."""
+
+    def __init__(self, offset: int, width: int) -> None:
+        super().__init__()
+        self.offset, self.width = offset, width
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        return packed[:, self.offset : self.offset + self.width]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.offset}:{self.offset + self.width}"
+
+
+def _unsupported(unet: nn.Module) -> str | None:
+    """Why the time embedding of ``unet`` cannot be packed, or None."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    config = getattr(unet, "config", {})
+    for key in ("class_embed_type", "addition_embed_type", "time_embedding_act_fn"):
+        if config.get(key) is not None:
+            return f"the U-Net has {key}={config[key]!r}: its embedding is not only the time's"
+    if isinstance(getattr(unet, "time_embedding", None), PackedTimeEmbedding):
+        return "already packed"
+    if getattr(unet, "time_embed_act", None) is not None:
+        return "the U-Net applies an activation after the time embedding"
+    users = [m for m in unet.modules() if getattr(m, "time_emb_proj", None) is not None]
+    if not users:
+        return "no block projects the time embedding"
+    for block in users:
+        if not isinstance(block, ResnetBlock2D):
+            return f"{type(block).__name__} projects the time embedding (only ResnetBlock2D is packed)"
+        if block.time_embedding_norm != "default" or block.skip_time_act:
+            return "a ResNet block uses a time_embedding_norm other than 'default' or skips its activation"
+        if not isinstance(block.nonlinearity, nn.SiLU):
+            return f"a ResNet block's activation is {type(block.nonlinearity).__name__}, not SiLU"
+        if type(block.time_emb_proj) is not nn.Linear or block.time_emb_proj.bias is None:
+            return "a ResNet block's time projection is not a plain nn.Linear with a bias (LoRA-wrapped?)"
+    return None
+
+
+def batch_time_proj(unet: nn.Module) -> tuple[int, str | None]:
+    """Pack the time-embedding projections of ``unet`` (in place); returns (blocks packed, reason
+    it was not done or None). The packed U-Net gives the same outputs up to the GEMM's rounding."""
+    why = _unsupported(unet)
+    if why is not None:
+        return 0, why
+    blocks = [m for m in unet.modules() if getattr(m, "time_emb_proj", None) is not None]
+    weight = torch.cat([b.time_emb_proj.weight.detach() for b in blocks])
+    bias = torch.cat([b.time_emb_proj.bias.detach() for b in blocks])
+    offset = 0
+    for block in blocks:
+        width = block.time_emb_proj.out_features
+        block.time_emb_proj = PackedTimeSlice(offset, width)
+        block.skip_time_act = True  # the SiLU runs once, in PackedTimeEmbedding
+        offset += width
+    unet.time_embedding = PackedTimeEmbedding(unet.time_embedding, weight, bias)
+    return len(blocks), None
+
+
+def is_packed(unet: Any) -> bool:
+    return isinstance(getattr(unet, "time_embedding", None), PackedTimeEmbedding)
+
+
+__all__ = ["PackedTimeEmbedding", "PackedTimeSlice", "batch_time_proj", "is_packed"]

@@ -1,0 +1,125 @@
+"""``batch_time_proj`` (issue 16): the ResNet blocks' time projections as one product.
+
+The packed U-Net must give the stock U-Net's output (eager, compiled, and through ``accelerate``'s
+GPU-resident loop), leave alone what it cannot reproduce, and key the compile cache by the switch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from rapiddiff.infer import fast_time
+from rapiddiff.infer.accelerate import AccelerateConfig, accelerate, compile_cache_file
+
+from .test_fast_kernels import SMALL_UNET
+
+
+def _unet(**overrides):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(**{**SMALL_UNET, **overrides}).eval()
+
+
+def _run(unet, t=None):
+    t = torch.tensor(10) if t is None else t
+    torch.manual_seed(1)
+    x, ctx = torch.randn(2, 4, 16, 16), torch.randn(2, 7, 64)
+    with torch.no_grad():
+        return unet(x, t, encoder_hidden_states=ctx).sample
+
+
+def test_packed_unet_computes_what_the_stock_one_does():
+    from diffusers.models.resnet import ResnetBlock2D
+
+    unet = _unet()
+    stock = copy.deepcopy(unet)
+    widths = [m.time_emb_proj.out_features for m in unet.modules() if isinstance(m, ResnetBlock2D)]
+    assert fast_time.batch_time_proj(unet) == (8, None)
+    assert fast_time.is_packed(unet)
+    assert unet.time_embedding.weight.shape == (
+        sum(widths),
+        unet.time_embedding.embedding.linear_2.out_features,
+    )
+    slices = [m.time_emb_proj for m in unet.modules() if isinstance(m, ResnetBlock2D)]
+    assert [s.width for s in slices] == widths and slices[-1].offset + widths[-1] == sum(widths)
+    for t in (torch.tensor(10), torch.tensor([999, 1])):  # one t for the batch, or one per sample
+        torch.testing.assert_close(_run(unet, t), _run(stock, t), rtol=1e-5, atol=1e-5)
+    assert fast_time.batch_time_proj(unet) == (0, "already packed")
+
+
+def test_packed_unet_traces_whole_under_torch_compile():
+    unet = _unet()
+    stock = copy.deepcopy(unet)
+    fast_time.batch_time_proj(unet)
+    compiled = torch.compile(unet, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(_run(compiled), _run(stock), rtol=1e-5, atol=1e-5)
+
+
+def test_unet_it_cannot_reproduce_is_left_alone():
+    from diffusers.models.resnet import ResnetBlock2D
+
+    unet = _unet(class_embed_type="timestep")
+    before = copy.deepcopy(unet.state_dict())
+    count, why = fast_time.batch_time_proj(unet)
+    assert count == 0 and "class_embed_type='timestep'" in why
+    assert unet.state_dict().keys() == before.keys()
+
+    unet = _unet()
+
+    class Wrapped(torch.nn.Linear):  # stands in for a LoRA layer around the projection
+        pass
+
+    block = next(m for m in unet.modules() if isinstance(m, ResnetBlock2D))
+    old = block.time_emb_proj
+    block.time_emb_proj = Wrapped(old.in_features, old.out_features)
+    count, why = fast_time.batch_time_proj(unet)
+    assert count == 0 and "not a plain nn.Linear" in why and not fast_time.is_packed(unet)
+
+
+def test_switch_in_accelerate_gives_the_same_image_and_keys_the_cache(tiny_model):
+    from rapiddiff.infer.pipeline import RapidDiffusionPipeline
+
+    assert AccelerateConfig().batch_time_proj is False  # off until measured to pay
+    with pytest.raises(ValueError, match="batch_time_proj must be true or false"):
+        AccelerateConfig(batch_time_proj=1)
+    kwargs = {"num_inference_steps": 3, "seed": 0, "output_type": "np"}
+    images = []
+    for on in (False, True):
+        pipe = accelerate(
+            RapidDiffusionPipeline.from_pretrained(tiny_model),
+            compile_unet=None,
+            compile_vae=None,
+            batch_time_proj=on,
+        )
+        assert pipe.report["batch_time_proj"].startswith("on (" if on else "off")
+        images.append(pipe("一只红色的番茄", **kwargs).images)
+    assert abs(images[0] - images[1]).max() < 1e-4
+    assert compile_cache_file("/c/cache.bin", AccelerateConfig(batch_time_proj=True)) == (
+        "/c/cache.batch-time-proj.bin"
+    )
+
+
+@pytest.mark.gpu
+def test_packed_unet_matches_stock_compiled_on_the_gpu():
+    """float16 on CUDA through Inductor, as the fast path compiles it: the packed product and the
+    slices fused into their consumers give the stock output within half-precision rounding."""
+    cuda = torch.device("cuda")
+    unet = _unet(sample_size=32).to(cuda, torch.float16).to(memory_format=torch.channels_last)
+    stock = copy.deepcopy(unet)
+    assert fast_time.batch_time_proj(unet) == (8, None)
+    x = torch.randn(2, 4, 32, 32, device=cuda, dtype=torch.float16).contiguous(
+        memory_format=torch.channels_last
+    )
+    ctx, t = torch.randn(2, 7, 64, device=cuda, dtype=torch.float16), torch.tensor(300, device=cuda)
+    run = torch.compile(unet, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            a = run(x, t, encoder_hidden_states=ctx).sample
+        b = stock(x, t, encoder_hidden_states=ctx).sample
+    assert torch.isfinite(a).all()
+    assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
