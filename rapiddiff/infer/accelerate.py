@@ -133,10 +133,12 @@ class AccelerateConfig:
     """The transformer blocks' GEGLU (projection, split, GELU, product) as one Triton kernel
     (:mod:`rapiddiff.infer.fast_geglu`): the (tokens × 2·inner) product never goes through memory.
     CUDA with Triton only; a LoRA-wrapped projection keeps the stock module."""
-    batch_time_proj: bool = False
+    batch_time_proj: bool = True
     """The ResNet blocks' time-embedding projections (22 matrix-vector products per SD 1.5
     evaluation) as one product over their stacked weights (:mod:`rapiddiff.infer.fast_time`); each
-    block takes its columns. Any device; U-Nets whose time embedding feeds only ResNet blocks."""
+    block takes its columns. Any device; U-Nets whose time embedding feeds only ResNet blocks (others
+    fall back with the reason). H100: 149.5 it/s against 147.6 and 146.4 without it in the same
+    process, the same 63.3 dB (BENCHMARKS.md, issue 16, 2026-11-28)."""
     conv_1x1_as_mm: bool = False
     """1×1 convolutions (the transformers' proj_in/proj_out, the ResNet shortcuts: 46 per SD 1.5
     evaluation) lowered by Inductor as matrix products — cuBLAS with the bias in the epilogue — instead
@@ -186,6 +188,7 @@ class AccelerateConfig:
             channels_last=False,
             fuse_qkv=False,
             cross_kv_cache=False,
+            batch_time_proj=False,
             compile_unet=None,
             compile_vae=None,
             loop="eager",
@@ -302,16 +305,19 @@ def _flag_for_block(owner: Any, name: str, on: bool) -> Any:
 
 
 def compile_cache_file(path: str, config: AccelerateConfig) -> str:
-    """The compile-cache file for ``config``: ``path`` itself with the tuning switches off, else with
-    them in its name (``cache.bin`` → ``cache.autotune-convs.cudnn-benchmark.bin``), so a process never
+    """The compile-cache file for ``config``: ``path`` itself with the graph-changing switches as
+    they are by default, else with the differences in its name (``cache.bin`` →
+    ``cache.autotune-convs.cudnn-benchmark.bin``, ``cache.no-batch-time-proj.bin``), so a process never
     takes a cache written under other switches for its own (it would load, miss, and never be rewritten)."""
     tags = [f"autotune-{config.autotune}"] if config.autotune != "off" else []
     if config.cudnn_benchmark:
         tags.append("cudnn-benchmark")
     if config.fp16_accumulate:  # not in Inductor's cache key: autotune's GEMM timings depend on it
         tags.append("fp16-accumulate")
-    switches = ("fuse_norm", "fuse_geglu", "batch_time_proj", "conv_1x1_as_mm")
+    switches = ("fuse_norm", "fuse_geglu", "conv_1x1_as_mm")
     tags += [name.replace("_", "-") for name in switches if getattr(config, name)]
+    if not config.batch_time_proj:  # on by default: its absence changes the graph
+        tags.append("no-batch-time-proj")
     if not tags:
         return path
     p = Path(path)

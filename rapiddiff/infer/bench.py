@@ -63,6 +63,7 @@ SWITCHES: dict[str, dict[str, Any]] = {
     "fuse_qkv": {"fuse_qkv": True},
     "attention=auto": {"attention": "auto"},
     "cross_kv_cache": {"cross_kv_cache": True},
+    "batch_time_proj": {"batch_time_proj": True},
     "loop=resident": {"loop": "resident"},
     "loop=graph": {"loop": "graph"},
     "compile_unet": {"compile_unet": "default", "loop": "resident"},

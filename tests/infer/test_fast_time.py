@@ -84,7 +84,8 @@ def test_unet_it_cannot_reproduce_is_left_alone():
 def test_switch_in_accelerate_gives_the_same_image_and_keys_the_cache(tiny_model):
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 
-    assert AccelerateConfig().batch_time_proj is False  # off until measured to pay
+    assert AccelerateConfig().batch_time_proj is True  # measured to pay on the H100
+    assert AccelerateConfig.off().batch_time_proj is False  # the eager reference has every switch off
     with pytest.raises(ValueError, match="batch_time_proj must be true or false"):
         AccelerateConfig(batch_time_proj=1)
     kwargs = {"num_inference_steps": 3, "seed": 0, "output_type": "np"}
@@ -99,8 +100,9 @@ def test_switch_in_accelerate_gives_the_same_image_and_keys_the_cache(tiny_model
         assert pipe.report["batch_time_proj"].startswith("on (" if on else "off")
         images.append(pipe("一只红色的番茄", **kwargs).images)
     assert abs(images[0] - images[1]).max() < 1e-4
-    assert compile_cache_file("/c/cache.bin", AccelerateConfig(batch_time_proj=True)) == (
-        "/c/cache.batch-time-proj.bin"
+    assert compile_cache_file("/c/cache.bin", AccelerateConfig()) == "/c/cache.bin"
+    assert compile_cache_file("/c/cache.bin", AccelerateConfig(batch_time_proj=False)) == (
+        "/c/cache.no-batch-time-proj.bin"
     )
 
 

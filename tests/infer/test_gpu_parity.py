@@ -34,6 +34,7 @@ GPU_SWITCHES = {
     "channels_last": {"channels_last": True},
     "fuse_qkv": {"fuse_qkv": True},
     "cross_kv_cache": {"cross_kv_cache": True},
+    "batch_time_proj": {"batch_time_proj": True},
     "attention=auto": {"attention": "auto"},
     "attention=efficient": {"attention": "efficient"},
     "loop=resident": {"loop": "resident"},

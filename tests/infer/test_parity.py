@@ -27,9 +27,16 @@ SWITCHES = {
     "fuse_qkv": {"fuse_qkv": True, "loop": "eager"},
     "cross_kv_cache": {"cross_kv_cache": True, "loop": "eager"},
     "channels_last": {"channels_last": True, "loop": "eager"},
-    "all-cpu": {"loop": "resident", "fuse_qkv": True, "cross_kv_cache": True, "channels_last": True},
+    "batch_time_proj": {"batch_time_proj": True, "loop": "eager"},
+    "all-cpu": {
+        "loop": "resident",
+        "fuse_qkv": True,
+        "cross_kv_cache": True,
+        "channels_last": True,
+        "batch_time_proj": True,
+    },
 }
-_SINGLE = ("fuse_qkv", "cross_kv_cache", "channels_last")
+_SINGLE = ("fuse_qkv", "cross_kv_cache", "channels_last", "batch_time_proj")
 
 
 @pytest.fixture(scope="module")
