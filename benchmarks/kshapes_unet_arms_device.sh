@@ -14,6 +14,9 @@
 # knowledge mode "both" but its U-Net trained on the fused vectors alone ("embed"): the arms train
 # that way too (a copy of the folder set to "embed"), and the evaluation asks for embed, both and off
 # explicitly. SHIPPED=0 (eval) or 1 (all): evaluate the arms alone, or beside the model in the tree.
+# DEADLINE: seconds after the start at which unfinished evaluations stop (default none).
+# TRAIN_TIME: each arm's time limit (default 00:00:07:20); ENTITY_SPLITS / ENTITY_MODES: the entity
+# evaluation (default seen,heldout,val / embed,both,off) — fewer fit an `all` call of three arms in 600 s.
 # WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
@@ -46,7 +49,7 @@ if [ "$part" != eval ]; then
     name=${spec%%:*}; extra=${spec#*:}
     # shellcheck disable=SC2086  # $extra: the arm's overrides, one word each
     python -m rapiddiff train unet --config configs/unet/kshapes.yaml --trainer.max_steps="$steps" \
-      --trainer.max_time=00:00:07:20 --trainer.precision=bf16-mixed --trainer.enable_progress_bar=false \
+      --trainer.max_time="${TRAIN_TIME:-00:00:07:20}" --trainer.precision=bf16-mixed --trainer.enable_progress_bar=false \
       --trainer.default_root_dir=$work/runs/"$name" --output=$work/"$name"/model \
       --data.train=$work/data/train --data.val=$work/data/val --data.num_workers=3 \
       --seed_everything="$seed" --data.seed="$seed" --model.seed="$seed" \
@@ -76,7 +79,8 @@ PY
       --exclude=upscaler/upscaler.safetensors builtin | split -b 15m - "$out/$name.tgz."
   done
   grep -h "step $steps/$steps\|stopped" $logs/train_*.log
-  tar czf "$out/logs.tgz" $logs $(find $work/runs -name "metrics.csv" -o -name "*.png") 2>/dev/null
+  # (an `all` call's logs leave in eval.tgz: three arms' 6 pieces + knowledge.md + eval.tgz = the 8 files)
+  [ "$part" = train ] && tar czf "$out/logs.tgz" $logs $(find $work/runs -name "metrics.csv" -o -name "*.png") 2>/dev/null
 fi
 if [ "$part" = all ]; then
   models=(); [ "${SHIPPED:-0}" = 1 ] && models=("shipped=$shipped")  # SHIPPED=1: the model in the tree beside the arms
@@ -101,22 +105,28 @@ fi
 if [ "$part" != train ]; then
   for entry in "${models[@]}"; do
     name=${entry%%=*}; model=${entry#*=}
-    entity_modes=embed,both,off; attribute_modes=embed
+    entity_modes=${ENTITY_MODES:-embed,both,off}; attribute_modes=embed
     [ -d "$model/knowledge" ] || { entity_modes=off; attribute_modes=off; }  # a no-knowledge arm
-    (
-      python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_entities \
-        --splits seen,heldout,val --modes $entity_modes --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_entities.log 2>&1
-      python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_attribute \
-        --splits attribute --modes $attribute_modes --images-per-prompt 4 --workers 3 > $logs/eval_"$name"_attribute.log 2>&1
-    ) &
+    # the two evaluations of a model side by side too: the GPU has room, the call's 600 s has not.
+    # DEADLINE (seconds since the script began): evaluations still running then stop, so the tables of
+    # those that finished still leave before the call's limit.
+    left=$(( ${DEADLINE:-100000} - SECONDS )); [ $left -lt 10 ] && left=10
+    timeout $left python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_attribute \
+      --splits attribute --modes $attribute_modes --images-per-prompt 4 --workers 2 > $logs/eval_"$name"_attribute.log 2>&1 &
+    timeout $left python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_entities \
+      --splits "${ENTITY_SPLITS:-seen,heldout,val}" --modes $entity_modes --images-per-prompt 4 --workers 2 \
+      > $logs/eval_"$name"_entities.log 2>&1 &
   done
   wait
   for entry in "${models[@]}"; do
     name=${entry%%=*}
-    for kind in entities attribute; do
+    for kind in attribute entities; do
       { echo "## $name, $kind"; cat $work/eval_"$name"_$kind/knowledge.md; } >> "$out/knowledge.md" 2>/dev/null
     done
   done
-  tar czf "$out/eval.tgz" $logs $(find $work -path "*eval_*" \( -name "*.json" -o -name "*.png" \) | grep -v /images/) 2>/dev/null
+  # with the training metrics; the grids only from an eval call (an `all` call's 64 MiB go to the models)
+  pngs=(-name "*.png"); [ "$part" = all ] && pngs=(-name "*.none")
+  tar czf "$out/eval.tgz" $logs $(find $work/runs -name "metrics.csv" 2>/dev/null) \
+    $(find $work -path "*eval_*" \( -name "*.json" -o "${pngs[@]}" \) | grep -v /images/) 2>/dev/null
 fi
 ls -la "$out"
