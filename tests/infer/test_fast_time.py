@@ -107,12 +107,18 @@ def test_switch_in_accelerate_gives_the_same_image_and_keys_the_cache(tiny_model
 
 
 @pytest.mark.gpu
-def test_packed_unet_matches_stock_compiled_on_the_gpu():
+@pytest.mark.parametrize("fuse_norm", [False, True], ids=["stock-norms", "fuse_norm"])
+def test_packed_unet_matches_stock_compiled_on_the_gpu(fuse_norm):
     """float16 on CUDA through Inductor, as the fast path compiles it: the packed product and the
-    slices fused into their consumers give the stock output within half-precision rounding."""
+    slices fused into their consumers give the stock output within half-precision rounding — also
+    where fuse_norm's ResNet blocks take the slices (as their norm's addend)."""
+    from rapiddiff.infer import fast_norm
+
     cuda = torch.device("cuda")
     unet = _unet(sample_size=32).to(cuda, torch.float16).to(memory_format=torch.channels_last)
     stock = copy.deepcopy(unet)
+    if fuse_norm:
+        assert fast_norm.fuse_norms(unet)["resnets"] == 8
     assert fast_time.batch_time_proj(unet) == (8, None)
     x = torch.randn(2, 4, 32, 32, device=cuda, dtype=torch.float16).contiguous(
         memory_format=torch.channels_last
