@@ -125,8 +125,8 @@ if [ "$part" != train ]; then
     done
   done
   # with the training metrics; the grids only from an eval call (an `all` call's 64 MiB go to the models)
-  pngs=(-name "*.png"); [ "$part" = all ] && pngs=(-name "*.none")
+  kept=(-name "*.json"); [ "$part" = eval ] && kept+=(-o -name "*.png")
   tar czf "$out/eval.tgz" $logs $(find $work/runs -name "metrics.csv" 2>/dev/null) \
-    $(find $work -path "*eval_*" \( -name "*.json" -o "${pngs[@]}" \) | grep -v /images/) 2>/dev/null
+    $(find $work -path "*eval_*" \( "${kept[@]}" \) | grep -v /images/) 2>/dev/null
 fi
 ls -la "$out"

@@ -895,7 +895,7 @@ class GraphDenoiser:
         }
         kernels = {k: self.report.get(k, "off").startswith("on") for k in ("fuse_norm", "fuse_geglu")}
         if self.report.get("batch_time_proj", "off").startswith("on"):
-            # Only when on, so that packages built before the switch existed keep their keys.
+            # Only when on: a package built unpacked (every one from before the switch) keeps its key.
             kernels["batch_time_proj"] = True
         return {
             "unet": {

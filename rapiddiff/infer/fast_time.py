@@ -31,8 +31,7 @@ from torch import nn
 class PackedTimeEmbedding(nn.Module):
     """``time_embedding`` followed by every ResNet block's projection of it, as one product.
 
-    Returns ``(N, sum of the blocks' widths)``: block ``i``'s projection is columns
-    ``offsets[i] : offsets[i] + widths[i]``.
+    Returns ``(N, sum of the blocks' widths)``; each block's :class:`PackedTimeSlice` knows its columns.
     """
 
     def __init__(self, embedding: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> None:
@@ -60,22 +59,26 @@ class PackedTimeSlice(nn.Module):
         return f"columns {self.offset}:{self.offset + self.width}"
 
 
-def _unsupported(unet: nn.Module) -> str | None:
-    """Why the time embedding of ``unet`` cannot be packed, or None."""
+def _projecting_blocks(unet: nn.Module) -> list[nn.Module]:
+    """The modules of ``unet`` that project the time embedding, in module order."""
+    return [m for m in unet.modules() if getattr(m, "time_emb_proj", None) is not None]
+
+
+def _unsupported(unet: nn.Module, blocks: list[nn.Module]) -> str | None:
+    """Why the time embedding of ``unet`` (projected by ``blocks``) cannot be packed, or None."""
     from diffusers.models.resnet import ResnetBlock2D
 
     config = getattr(unet, "config", {})
     for key in ("class_embed_type", "addition_embed_type", "time_embedding_act_fn"):
         if config.get(key) is not None:
             return f"the U-Net has {key}={config[key]!r}: its embedding is not only the time's"
-    if isinstance(getattr(unet, "time_embedding", None), PackedTimeEmbedding):
+    if is_packed(unet):
         return "already packed"
     if getattr(unet, "time_embed_act", None) is not None:
         return "the U-Net applies an activation after the time embedding"
-    users = [m for m in unet.modules() if getattr(m, "time_emb_proj", None) is not None]
-    if not users:
+    if not blocks:
         return "no block projects the time embedding"
-    for block in users:
+    for block in blocks:
         if not isinstance(block, ResnetBlock2D):
             return f"{type(block).__name__} projects the time embedding (only ResnetBlock2D is packed)"
         if block.time_embedding_norm != "default" or block.skip_time_act:
@@ -90,10 +93,10 @@ def _unsupported(unet: nn.Module) -> str | None:
 def batch_time_proj(unet: nn.Module) -> tuple[int, str | None]:
     """Pack the time-embedding projections of ``unet`` (in place); returns (blocks packed, reason
     it was not done or None). The packed U-Net gives the same outputs up to the GEMM's rounding."""
-    why = _unsupported(unet)
+    blocks = _projecting_blocks(unet)
+    why = _unsupported(unet, blocks)
     if why is not None:
         return 0, why
-    blocks = [m for m in unet.modules() if getattr(m, "time_emb_proj", None) is not None]
     weight = torch.cat([b.time_emb_proj.weight.detach() for b in blocks])
     bias = torch.cat([b.time_emb_proj.bias.detach() for b in blocks])
     offset = 0
@@ -107,6 +110,7 @@ def batch_time_proj(unet: nn.Module) -> tuple[int, str | None]:
 
 
 def is_packed(unet: Any) -> bool:
+    """Whether :func:`batch_time_proj` has packed ``unet``."""
     return isinstance(getattr(unet, "time_embedding", None), PackedTimeEmbedding)
 
 
