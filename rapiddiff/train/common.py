@@ -21,6 +21,7 @@ resumed run reproduces the uninterrupted run's losses exactly (a test compares t
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import os
@@ -288,7 +289,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path)
             return
         with atomic_open(path, "wb") as handle:
-            torch.save(checkpoint, handle)
+            torch.save(without_oversized_views(checkpoint), handle)
+
+
+def without_oversized_views(value: Any, _done: dict[int, Any] | None = None) -> Any:
+    """``value`` with every tensor that views part of a larger storage replaced by its own copy.
+
+    ``torch.save`` writes a view's whole storage. FSDP's full optimizer state on one process is made
+    of views into per-unit flat buffers, one buffer per view once saved: a 11 MB checkpoint became
+    442 MB. Containers are copied shallowly (their type kept); a tensor met twice is copied once.
+    """
+    done = {} if _done is None else _done
+    if id(value) in done:
+        return done[id(value)]
+    out = value
+    if isinstance(value, torch.Tensor):
+        if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+            out = value.clone()
+    elif isinstance(value, dict):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = without_oversized_views(item, done)
+    elif type(value) in (list, tuple):
+        out = type(value)(without_oversized_views(item, done) for item in value)
+    done[id(value)] = out
+    return out
 
 
 class RollingCheckpoint(ModelCheckpoint):
@@ -1063,7 +1088,7 @@ class RapidFSDPStrategy(FSDPStrategy):
     every rank, outside the flat parameters (which must share one dtype). Mixed precision is the
     single-GPU/DDP kind: fp32 parameters and gradient reduction, autocast compute, buffers untouched
     (the fusion's TransE tables and relation ids). Checkpoints hold the full state dict (one file, the
-    trained weights under their plain names, as the other strategies write them).
+    trained weights under their plain names, written atomically, as the other strategies write them).
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -1072,6 +1097,8 @@ class RapidFSDPStrategy(FSDPStrategy):
         kwargs.setdefault("state_dict_type", "full")
         kwargs.setdefault("use_orig_params", True)  # frozen and trained weights may share a unit
         kwargs.setdefault("mixed_precision", MixedPrecision(reduce_dtype=torch.float32))
+        if kwargs["state_dict_type"] == "full":  # one file from rank 0: written like the others
+            kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(**kwargs)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -1119,7 +1146,8 @@ def unwrapped_for_export(trainer: pl.Trainer, model: RapidModule) -> RapidModule
 
 
 def _sharded(trainer_config: dict[str, Any]) -> bool:
-    """FSDP/DeepSpeed write their own (sharded) checkpoints; leave their IO alone."""
+    """FSDP/DeepSpeed bring their own checkpoint IO (:class:`RapidFSDPStrategy` sets the atomic one
+    for its full-state files); leave theirs alone."""
     strategy = trainer_config.get("strategy")
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
     return any(key in str(name).lower() for key in ("fsdp", "deepspeed"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapiddiff.train.common import AtomicCheckpointIO, ResumableSampler
+from rapiddiff.train.common import AtomicCheckpointIO, RapidFSDPStrategy, ResumableSampler
 
 
 def test_checkpoint_write_is_atomic(tmp_path: Path) -> None:
@@ -20,6 +20,32 @@ def test_checkpoint_write_is_atomic(tmp_path: Path) -> None:
         torch.load(path, weights_only=True)["state_dict"]["w"], torch.ones(3)
     )  # old file intact
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary left behind
+
+
+def test_checkpoint_saves_a_view_without_the_rest_of_its_storage(tmp_path: Path) -> None:
+    """FSDP's optimizer state on one process views big flat buffers: the file holds only the views."""
+    from collections import OrderedDict
+
+    flat = torch.arange(1_000_000, dtype=torch.float32)
+    view = flat[:4]
+    state = OrderedDict(a=view, b=flat[10:14].view(2, 2), again=view, whole=torch.ones(4))
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": state, "optimizer_states": [{"state": {0: state}}]}, path)
+    assert path.stat().st_size < 100_000  # the 4 MB buffer is not in it
+    loaded = torch.load(path, weights_only=True)
+    assert isinstance(loaded["state_dict"], OrderedDict)
+    assert torch.equal(loaded["state_dict"]["b"], torch.tensor([[10.0, 11.0], [12.0, 13.0]]))
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["a"], flat[:4])
+    # A tensor met twice stays one tensor, and the caller's dict is untouched.
+    assert loaded["state_dict"]["a"].untyped_storage().data_ptr() == (
+        loaded["state_dict"]["again"].untyped_storage().data_ptr()
+    )
+    assert state["a"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def test_fsdp_full_checkpoints_are_written_atomically() -> None:
+    assert isinstance(RapidFSDPStrategy().checkpoint_io, AtomicCheckpointIO)
+    assert not isinstance(RapidFSDPStrategy(state_dict_type="sharded").checkpoint_io, AtomicCheckpointIO)
 
 
 def test_sampler_shards_ranks_and_resumes_at_a_batch() -> None:
