@@ -30,7 +30,9 @@ def test_checkpoint_saves_a_view_without_the_rest_of_its_storage(tmp_path: Path)
     view = flat[:4]
     state = OrderedDict(a=view, b=flat[10:14].view(2, 2), again=view, whole=torch.ones(4))
     path = tmp_path / "last.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"state_dict": state, "optimizer_states": [{"state": {0: state}}]}, path)
+    AtomicCheckpointIO().save_checkpoint(
+        {"state_dict": state, "optimizer_states": [{"state": {0: state}}]}, path
+    )
     assert path.stat().st_size < 100_000  # the 4 MB buffer is not in it
     loaded = torch.load(path, weights_only=True)
     assert isinstance(loaded["state_dict"], OrderedDict)
