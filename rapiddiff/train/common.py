@@ -304,7 +304,8 @@ def without_oversized_views(value: Any, _done: dict[int, Any] | None = None) -> 
         return done[id(value)]
     out = value
     if isinstance(value, torch.Tensor):
-        if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+        dense = value.layout == torch.strided and value.device.type != "meta"
+        if dense and value.untyped_storage().nbytes() > value.numel() * value.element_size():
             out = value.clone()
     elif isinstance(value, dict):
         out = copy.copy(value)
