@@ -17,6 +17,12 @@
 # DEADLINE: seconds after the start at which unfinished evaluations stop (default none).
 # TRAIN_TIME: each arm's time limit (default 00:00:07:20); ENTITY_SPLITS / ENTITY_MODES: the entity
 # evaluation (default seen,heldout,val / embed,both,off) — fewer fit an `all` call of three arms in 600 s.
+# ATTRIBUTE_SPLITS: the attribute evaluation (default attribute,attribute_val: the test captions and the
+# validation ones a model is chosen on). KEEP: the arms whose models leave in $OUT (default all; the tool
+# returns 8 files, two a model).
+# EXTRA_DATA: "NAME:ARGS", a second kshapes folder /tmp/ka/NAME of the same seed with ARGS added (e.g.
+# "data60:--train 60000": the same entities, prompts and held-out splits, more training images), for
+# arms that set --data.train=/tmp/ka/NAME/train.
 # WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
@@ -30,6 +36,11 @@ source benchmarks/device/install_wheels.sh || exit 1
 rm -rf $work  # a warm machine keeps the last call's folder
 logs=$work/logs; mkdir -p "$out" $logs
 python -m rapiddiff data kshapes --out $work/data --seed "$seed" --workers 16 > $logs/data_"$part".log 2>&1 || { tail -20 $logs/data_"$part".log; exit 1; }
+if [ -n "${EXTRA_DATA:-}" ] && [ "$part" != eval ]; then
+  # shellcheck disable=SC2086  # the folder's extra arguments, one word each
+  python -m rapiddiff data kshapes --out $work/"${EXTRA_DATA%%:*}" --seed "$seed" --workers 16 ${EXTRA_DATA#*:} \
+    > $logs/data_extra.log 2>&1 || { tail -20 $logs/data_extra.log; exit 1; }
+fi
 if [ "$part" != eval ]; then
   cp -r "$encoders" $work/encoders
   sed -i 's/"knowledge_mode": "both"/"knowledge_mode": "embed"/' $work/encoders/text_encoder/rapiddiff_encoder.json
@@ -75,6 +86,7 @@ print(run.name, "assembled")
 PY
     # without the files every arm shares with the shipped model (the frozen VAE, its upscaler): the
     # eval call puts them back, so three arms and the wheels fit the 64 MiB carry
+    [[ "${KEEP:-all}" == all || ",$KEEP," == *",$name,"* ]] || continue
     [ -d $work/"$name"/builtin ] && tar czf - -C $work/"$name" --exclude=vae/diffusion_pytorch_model.safetensors \
       --exclude=upscaler/upscaler.safetensors builtin | split -b 15m - "$out/$name.tgz."
   done
@@ -112,7 +124,7 @@ if [ "$part" != train ]; then
     # those that finished still leave before the call's limit.
     left=$(( ${DEADLINE:-100000} - SECONDS )); [ $left -lt 10 ] && left=10
     timeout $left python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_attribute \
-      --splits attribute --modes $attribute_modes --images-per-prompt 4 --workers 2 > $logs/eval_"$name"_attribute.log 2>&1 &
+      --splits "${ATTRIBUTE_SPLITS:-attribute,attribute_val}" --modes $attribute_modes --images-per-prompt 4 --workers 2 > $logs/eval_"$name"_attribute.log 2>&1 &
     timeout $left python -m rapiddiff eval knowledge --model "$model" --kshapes $work/data --out $work/eval_"$name"_entities \
       --splits "${ENTITY_SPLITS:-seen,heldout,val}" --modes $entity_modes --images-per-prompt 4 --workers 2 \
       > $logs/eval_"$name"_entities.log 2>&1 &

@@ -42,9 +42,12 @@ log = get_logger(__name__)
 
 SPLITS = ("seen", "heldout")
 """The splits evaluated by default: seen entities and the test held-out (KG-only) ones."""
-ALL_SPLITS = (*SPLITS, "val", "attribute")
+ATTRIBUTE_SPLITS = ("attribute", "attribute_val")
+"""Attribute captions naming colour, shape, background and position (no entity): "attribute" the
+test set, "attribute_val" the validation set (other backgrounds and positions) to choose on."""
+ALL_SPLITS = (*SPLITS, "val", *ATTRIBUTE_SPLITS)
 """... "val": the validation KG-only entities (select checkpoints on these, never on "heldout"), and
-"attribute": attribute captions naming colour, shape, background and position (no entity)."""
+the attribute splits."""
 MODES = {"on": True, "off": False, "embed": True, "text": True, "both": True}
 """on: knowledge in the model's own mode (embed unless its folder says otherwise); off: the base
 encoder; embed / text / both: that knowledge mode (text: the KG facts spelled into the prompt, the
@@ -58,19 +61,20 @@ ATTRIBUTE_FILE = "prompts_attribute.jsonl"
 def read_knowledge_prompts(kshapes: str | Path, splits: Sequence[str] = SPLITS) -> list[dict[str, Any]]:
     """``kshapes/prompts.jsonl`` (or a prompts file given directly), checked field by field.
 
-    Split "attribute" comes from the file given, or from a folder's ``prompts_attribute.jsonl``;
-    a kshapes folder without that file (written before it existed) gets the same prompts made
-    from its ``kshapes.yaml`` (:func:`rapiddiff.data.kshapes.generate.attribute_prompts`)."""
+    The attribute splits come from the file given, or from a folder's ``prompts_attribute.jsonl``;
+    a kshapes folder without that file or split (written before it existed) gets the same prompts
+    made from its ``kshapes.yaml`` (:func:`rapiddiff.data.kshapes.generate.attribute_prompts`)."""
     path = Path(kshapes)
     folder = path if path.is_dir() else None
     if folder is not None:
         path = folder / "prompts.jsonl"
     rows: list[dict[str, Any]] = []
-    if folder is None or any(s != "attribute" for s in splits):
+    if folder is None or any(s not in ATTRIBUTE_SPLITS for s in splits):
         rows = _read_checked(path)
     rows = [r for r in rows if r["split"] in splits]
-    if "attribute" in splits and folder is not None and not any(r["split"] == "attribute" for r in rows):
-        rows += _attribute_prompts(folder)
+    for split in ATTRIBUTE_SPLITS:
+        if split in splits and folder is not None and not any(r["split"] == split for r in rows):
+            rows += _attribute_prompts(folder, split)
     if not rows:
         raise ValueError(f"{path}: no prompts for split(s) {', '.join(splits)}")
     return rows
@@ -84,7 +88,7 @@ def _read_checked(path: Path) -> list[dict[str, Any]]:
         )
     rows = read_jsonl(path)
     for number, row in enumerate(rows, start=1):
-        required = REQUIRED_ATTRIBUTE if row.get("split") == "attribute" else REQUIRED
+        required = REQUIRED_ATTRIBUTE if row.get("split") in ATTRIBUTE_SPLITS else REQUIRED
         missing = [k for k in required if not row.get(k)]
         if missing:
             raise ValueError(
@@ -97,24 +101,28 @@ def _read_checked(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _attribute_prompts(folder: Path) -> list[dict[str, Any]]:
-    """The attribute split of a kshapes folder: its prompts_attribute.jsonl, else made from its
-    kshapes.yaml (the same prompts `rapiddiff data kshapes` writes today for that config)."""
+def _attribute_prompts(folder: Path, split: str = "attribute") -> list[dict[str, Any]]:
+    """An attribute split of a kshapes folder: from its prompts_attribute.jsonl, else (a folder
+    written before that file or split existed) made from its kshapes.yaml — the same prompts
+    `rapiddiff data kshapes` writes today for that config."""
     if (folder / ATTRIBUTE_FILE).is_file():
-        return [r for r in _read_checked(folder / ATTRIBUTE_FILE) if r["split"] == "attribute"]
+        rows = [r for r in _read_checked(folder / ATTRIBUTE_FILE) if r["split"] == split]
+        if rows:
+            return rows
     config = folder / "kshapes.yaml"
     if not config.is_file():
         raise FileNotFoundError(
-            f"{folder}: neither {ATTRIBUTE_FILE} nor kshapes.yaml: split 'attribute' needs a folder written "
-            "by `rapiddiff data kshapes` (rewrite it with the same --seed, or leave 'attribute' out of --splits)"
+            f"{folder}: neither {ATTRIBUTE_FILE} with split {split!r} nor kshapes.yaml: split {split!r} needs a "
+            f"folder written by `rapiddiff data kshapes` (rewrite it with the same --seed, or leave {split!r} out "
+            "of --splits)"
         )
     from rapiddiff.data.kshapes.generate import KShapesConfig, attribute_prompts
     from rapiddiff.utils.config import load_config
 
     cfg = load_config(KShapesConfig, config)
-    rows = attribute_prompts(cfg)
-    log.info("%s has no %s: %d attribute prompts made from its kshapes.yaml (seed %d)",
-             folder, ATTRIBUTE_FILE, len(rows), cfg.seed)  # fmt: skip
+    rows = attribute_prompts(cfg, split)
+    log.info("%s has no %s prompts in %s: %d made from its kshapes.yaml (seed %d)",
+             folder, split, ATTRIBUTE_FILE, len(rows), cfg.seed)  # fmt: skip
     return rows
 
 
@@ -471,7 +479,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="seen,heldout",
         help="which prompt splits: seen, heldout (test KG-only), val (validation KG-only; select "
         "checkpoints on it), attribute (attribute captions naming colour, shape, background and "
-        "position: the base generator) (default: seen,heldout)",
+        "position: the base generator), attribute_val (the same pairs on other backgrounds and positions: "
+        "choose a model or CFG scale on it, never on attribute) (default: seen,heldout)",
     )
     parser.add_argument(
         "--modes",

@@ -155,7 +155,12 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------------- metrics, first
 Interval = tuple[float, float]
-SPLIT_NAMES = {"seen": "seen", "heldout": "held-out", "attribute": "attribute captions"}
+SPLIT_NAMES = {
+    "seen": "seen",
+    "heldout": "held-out",
+    "attribute": "attribute captions",
+    "attribute_val": "attribute captions (validation)",
+}
 
 
 def wilson(percent: float, n: int) -> Interval:

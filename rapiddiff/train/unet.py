@@ -139,6 +139,10 @@ class LatentDiffusion(RapidModule):
         knowledge: a KnowledgeStore folder to attach (when the text encoder has none).
         fusion_layers: encoder layers that receive knowledge (fresh text encoders only).
         trainable: which parts train: "unet", "fusion" (knowledge fusion), "text_encoder" (the tower).
+        text_encoder_lr: the tower's peak learning rate when ``trainable`` has "text_encoder" (its own
+            AdamW group, on the same schedule); None: ``optim.lr``. The tower arrives trained by the
+            CLIP stage, and at the U-Net's rate it forgets what that stage taught it (BENCHMARKS.md,
+            issue 18): kohya's ``text_encoder_lr`` and DreamBooth practice give it a smaller one.
         loss: prediction type, caption dropout, min-SNR, noise offset.
         optim: AdamW and its learning-rate schedule.
         ema: EMA of the trained weights (used for sampling and export); null = off.
@@ -160,6 +164,7 @@ class LatentDiffusion(RapidModule):
         knowledge: str | None = None,
         fusion_layers: Sequence[int] = (0,),
         trainable: Sequence[TrainableName] = ("unet",),
+        text_encoder_lr: float | None = None,
         loss: DiffusionLoss = _LOSS,
         optim: OptimConfig = _OPTIM,
         ema: EMAConfig | None = _EMA,
@@ -193,6 +198,12 @@ class LatentDiffusion(RapidModule):
         self.prediction_type = self.noise_scheduler.config.prediction_type
         self._check_widths()
         self.trained = self._select_trainable(list(trainable))
+        if text_encoder_lr is not None and (text_encoder_lr <= 0 or "text_encoder" not in self.trained):
+            raise ValueError(
+                f"text_encoder_lr={text_encoder_lr}: needs a value > 0 and 'text_encoder' in model.trainable "
+                f"(trainable: {self.trained}); leave it null otherwise"
+            )
+        self.text_encoder_lr = text_encoder_lr
         apply_speedups(self.unet, speed)
         if speed.gradient_checkpointing and "text_encoder" in self.trained:
             self.text_encoder.text_model.gradient_checkpointing_enable()
@@ -279,7 +290,19 @@ class LatentDiffusion(RapidModule):
             self.text_encoder.text_model.to(dtype=dtype)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        return configure_adamw(self, self.trainable_parameters(), self.optim_cfg)
+        return configure_adamw(self, self.parameter_groups(), self.optim_cfg)
+
+    def parameter_groups(self) -> list[Any]:
+        """What AdamW trains: every trainable parameter, or with ``text_encoder_lr`` two groups (the
+        tower at its own rate; the schedule scales both alike)."""
+        if self.text_encoder_lr is None:
+            return self.trainable_parameters()
+        tower = {id(p) for p in self._part("text_encoder").parameters() if p.requires_grad}
+        trained = self.trainable_parameters()
+        return [
+            {"params": [p for p in trained if id(p) not in tower]},
+            {"params": [p for p in trained if id(p) in tower], "lr": self.text_encoder_lr},
+        ]
 
     # ------------------------------------------------------------------ one step
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

@@ -259,9 +259,17 @@ def test_attribute_prompts_cover_every_pair_and_name_all_four(small_set):
     from rapiddiff.data.kshapes.generate import attribute_prompts
     from rapiddiff.utils.config import load_config
 
-    rows = _read_jsonl(small_set / "prompts_attribute.jsonl")
+    written = _read_jsonl(small_set / "prompts_attribute.jsonl")
     cfg = load_config(KShapesConfig, small_set / "kshapes.yaml")
-    assert rows == attribute_prompts(cfg)
+    rows = [r for r in written if r["split"] == "attribute"]
+    val = [r for r in written if r["split"] == "attribute_val"]
+    assert rows == attribute_prompts(cfg) and val == attribute_prompts(cfg, "attribute_val")
+    assert len(written) == len(rows) + len(val)
+    # The validation captions ask for the same pairs, on their own backgrounds and positions.
+    assert sorted((r["colour"], r["shape"]) for r in val) == sorted((r["colour"], r["shape"]) for r in rows)
+    assert len({r["text"] for r in rows} & {r["text"] for r in val}) < 0.2 * len(rows)  # few by chance
+    with pytest.raises(ValueError, match="choose from attribute, attribute_val"):
+        attribute_prompts(cfg, "val")
     assert {(r["colour"], r["shape"]) for r in rows} == set(itertools.product(COLOURS, SHAPES))
     assert len(rows) == len(COLOURS) * len(SHAPES) * cfg.prompts_per_entity
     assert set(ATTRIBUTE_PROMPT_TEMPLATES) <= set(ATTRIBUTE_TEMPLATES)

@@ -133,7 +133,7 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
     assert "knowledge_attribute_unet-on" not in jobs
 
 
-def test_the_guidance_is_chosen_on_validation_and_attribute_captions_and_used_by_every_evaluation(
+def test_the_guidance_is_chosen_on_validation_entities_and_captions_and_used_by_every_evaluation(
     chain, tmp_path, monkeypatch
 ):
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
@@ -141,7 +141,8 @@ def test_the_guidance_is_chosen_on_validation_and_attribute_captions_and_used_by
     cfg.guidance_candidates = [2.0, 3.0, 5.0]
     run = chain.Chain(tmp_path, cfg, smoke=True)
     # validation both % per scale and mode: 3.0 wins in mode "both", 5.0 would win on "on" alone;
-    # with the attribute captions' all-four % averaged in, 2.0 wins: (50 + 90) / 2 against (70 + 60) / 2
+    # with the validation attribute captions' all-four % averaged in, 2.0 wins: (50 + 90) / 2 against
+    # (70 + 60) / 2; the test captions (split "attribute", best at 5.0 here) are never looked at
     val = {2.0: (20.0, 50.0), 3.0: (40.0, 70.0), 5.0: (60.0, 55.0)}
     attribute = {2.0: 90.0, 3.0: 60.0, 5.0: 40.0}
     swept: list[str] = []
@@ -154,7 +155,7 @@ def test_the_guidance_is_chosen_on_validation_and_attribute_captions_and_used_by
                 continue
             swept.append(name)
             assert (
-                cmd[cmd.index("--splits") + 1] == "val,attribute"
+                cmd[cmd.index("--splits") + 1] == "val,attribute_val"
                 and cmd[cmd.index("--modes") + 1] == "on,both"
             )
             g = float(cmd[cmd.index("--guidance") + 1])
@@ -162,8 +163,9 @@ def test_the_guidance_is_chosen_on_validation_and_attribute_captions_and_used_by
             metrics.mkdir(parents=True)
             table = [_row("val", "on", val[g][0]), _row("val", "both", val[g][1]), _row("val", "off", 99.0)]
             table += [
-                _row("attribute", "on", 0.0, all=attribute[g]),
-                _row("attribute", "both", 0.0, all=99.0),
+                _row("attribute_val", "on", 0.0, all=attribute[g]),
+                _row("attribute_val", "both", 0.0, all=99.0),
+                _row("attribute", "on", 0.0, all=100.0 if g == 5.0 else 0.0),
             ]
             (metrics / "knowledge.json").write_text(json.dumps({"table": table}), "utf-8")
 

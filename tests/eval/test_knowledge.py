@@ -325,8 +325,26 @@ def test_attribute_split_comes_from_the_file_or_from_an_old_folders_config(tmp_p
     assert read_knowledge_prompts(folder, ["attribute"]) == [rows[1]]
     (folder / "prompts_attribute.jsonl").unlink()
     (folder / "kshapes.yaml").unlink()
-    with pytest.raises(FileNotFoundError, match=r"neither prompts_attribute\.jsonl nor kshapes\.yaml"):
+    with pytest.raises(
+        FileNotFoundError, match=r"neither prompts_attribute\.jsonl with split 'attribute' nor"
+    ):
         read_knowledge_prompts(folder, ["attribute"])
+
+
+def test_attribute_validation_split_is_its_own_set_and_old_files_get_it_from_the_config(tmp_path):
+    from rapiddiff.data.kshapes.generate import attribute_prompts
+
+    folder, cfg = _kshapes_folder(tmp_path)
+    test_rows = attribute_prompts(cfg)
+    # A file written before the validation split existed holds the test split alone.
+    (folder / "prompts_attribute.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in test_rows), encoding="utf-8"
+    )
+    val = read_knowledge_prompts(folder, ["attribute_val"])
+    assert val == attribute_prompts(cfg, "attribute_val") and {r["split"] for r in val} == {"attribute_val"}
+    assert read_knowledge_prompts(folder, ["attribute"]) == test_rows
+    both = read_knowledge_prompts(folder, ["attribute", "attribute_val"])
+    assert both == test_rows + val
 
 
 def test_attribute_split_scores_all_four_and_render_consistency(tmp_path):

@@ -147,12 +147,37 @@ def test_loss_falls_when_overfitting_one_batch(data: Path) -> None:
     [
         ({"trainable": ["fusion"]}, "needs a knowledge store"),
         ({"trainable": ["vae"]}, "unknown part"),
+        ({"text_encoder_lr": 1e-5}, "'text_encoder' in model.trainable"),
+        ({"trainable": ["unet", "text_encoder"], "text_encoder_lr": 0.0}, "needs a value > 0"),
     ],
 )
 def test_bad_settings_raise_clear_errors(options: dict, match: str) -> None:
     kwargs = {"unet": "tiny", "vae": "tiny", "text_encoder": "tiny", **options}
     with pytest.raises(ValueError, match=match):
         unet_stage.LatentDiffusion(**kwargs)
+
+
+def test_text_encoder_lr_gives_the_tower_its_own_rate_on_the_shared_schedule() -> None:
+    import pytorch_lightning as pl
+
+    module = unet_stage.LatentDiffusion(
+        unet="tiny", vae="tiny", text_encoder="tiny", trainable=["unet", "text_encoder"], text_encoder_lr=1e-5,
+        optim=unet_stage.OptimConfig(lr=2e-4, schedule="cosine", warmup_steps=2),
+    )  # fmt: skip
+    module.trainer = pl.Trainer(max_steps=10, logger=False)  # the schedule's length
+    config = module.configure_optimizers()
+    unet_group, tower_group = config["optimizer"].param_groups
+    tower = set(map(id, module._part("text_encoder").parameters()))
+    assert tower == set(map(id, tower_group["params"])) and not tower & set(map(id, unet_group["params"]))
+    assert {id(p) for g in (unet_group, tower_group) for p in g["params"]} == set(
+        map(id, module.trainable_parameters())
+    )  # every trained parameter in exactly one group
+    scheduler = config["lr_scheduler"]["scheduler"]
+    for _ in range(5):
+        config["optimizer"].step()
+        scheduler.step()
+    assert 0 < unet_group["lr"] < 2e-4  # past the warm-up, on the cosine's way down
+    assert tower_group["lr"] == pytest.approx(unet_group["lr"] / 20)  # 1e-5 / 2e-4 all along
 
 
 def test_loss_settings_are_checked() -> None:

@@ -228,14 +228,23 @@ def evaluation_prompts(
     return prompts
 
 
-def attribute_prompts(cfg: KShapesConfig) -> list[dict[str, Any]]:
-    """Attribute-caption prompts (split "attribute", written to prompts_attribute.jsonl): every
-    colour × shape pair, ``prompts_per_entity`` prompts each, on captions.ATTRIBUTE_PROMPT_TEMPLATES
-    (which name colour, shape, background and position), with a background the colour may be drawn
-    on and a position of ``cfg.layout``. Its own stream ``default_rng([seed, 97])``: a function of
-    the kshapes config alone, so a folder written before this file existed gets the same prompts
-    from its kshapes.yaml (``rapiddiff eval knowledge --splits attribute`` does that)."""
-    rng = np.random.default_rng([cfg.seed, 97])
+ATTRIBUTE_STREAMS = {"attribute": 97, "attribute_val": 96}
+"""Each attribute split's random stream (``default_rng([seed, N])``): the test captions and the
+validation captions draw their order, backgrounds and positions apart."""
+
+
+def attribute_prompts(cfg: KShapesConfig, split: str = "attribute") -> list[dict[str, Any]]:
+    """Attribute-caption prompts (written to prompts_attribute.jsonl): every colour × shape pair,
+    ``prompts_per_entity`` prompts each, on captions.ATTRIBUTE_PROMPT_TEMPLATES (which name colour,
+    shape, background and position), with a background the colour may be drawn on and a position of
+    ``cfg.layout``. Split "attribute" is the test set; "attribute_val" the same pairs on their own
+    backgrounds and positions, to choose a model or a CFG scale on (never on the test set). Each
+    split has its own stream (:data:`ATTRIBUTE_STREAMS`): a function of the kshapes config alone, so
+    a folder written before this file existed gets the same prompts from its kshapes.yaml
+    (``rapiddiff eval knowledge --splits attribute`` does that)."""
+    if split not in ATTRIBUTE_STREAMS:
+        raise ValueError(f"attribute split {split!r}: choose from {', '.join(ATTRIBUTE_STREAMS)}")
+    rng = np.random.default_rng([cfg.seed, ATTRIBUTE_STREAMS[split]])
     pairs = [(c, s) for c in COLOURS for s in SHAPES]
     # Every pair once, in a seeded order, then again: the first N prompts (``--limit N``) are a
     # spread of colours and shapes, not all red.
@@ -256,7 +265,7 @@ def attribute_prompts(cfg: KShapesConfig) -> list[dict[str, Any]]:
                     "background": background,
                     "position": position,
                     "layout": cfg.layout,
-                    "split": "attribute",
+                    "split": split,
                 }
             )
     return prompts
@@ -414,7 +423,8 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     atomic_write_text(out / "kg_only_entities.json", json.dumps(kg_only, ensure_ascii=False, indent=1) + "\n")
     atomic_write_text(out / "prompts.jsonl", _jsonl(evaluation_prompts(cfg, heldout, validation)))
     atomic_write_text(out / "prompts_robust.jsonl", _jsonl(robust_prompts(cfg, heldout, validation)))
-    atomic_write_text(out / "prompts_attribute.jsonl", _jsonl(attribute_prompts(cfg)))
+    attribute = [row for split in ATTRIBUTE_STREAMS for row in attribute_prompts(cfg, split)]
+    atomic_write_text(out / "prompts_attribute.jsonl", _jsonl(attribute))
     save_config(cfg, out / "kshapes.yaml")
 
     summary = {
