@@ -44,7 +44,9 @@ SPLITS = ("seen", "heldout")
 """The splits evaluated by default: seen entities and the test held-out (KG-only) ones."""
 ATTRIBUTE_SPLITS = ("attribute", "attribute_val")
 """Attribute captions naming colour, shape, background and position (no entity): "attribute" the
-test set, "attribute_val" the validation set (other backgrounds and positions) to choose on."""
+test set, "attribute_val" the validation set (other backgrounds and positions) to choose on. The
+names of :data:`rapiddiff.data.kshapes.generate.ATTRIBUTE_STREAMS`, repeated here so that `eval
+--help` does not import the kshapes package (its detector pulls in scipy); a test keeps them equal."""
 ALL_SPLITS = (*SPLITS, "val", *ATTRIBUTE_SPLITS)
 """... "val": the validation KG-only entities (select checkpoints on these, never on "heldout"), and
 the attribute splits."""
@@ -72,9 +74,9 @@ def read_knowledge_prompts(kshapes: str | Path, splits: Sequence[str] = SPLITS) 
     if folder is None or any(s not in ATTRIBUTE_SPLITS for s in splits):
         rows = _read_checked(path)
     rows = [r for r in rows if r["split"] in splits]
-    for split in ATTRIBUTE_SPLITS:
-        if split in splits and folder is not None and not any(r["split"] == split for r in rows):
-            rows += _attribute_prompts(folder, split)
+    missing = [s for s in ATTRIBUTE_SPLITS if s in splits and not any(r["split"] == s for r in rows)]
+    if missing and folder is not None:
+        rows += _attribute_prompts(folder, missing)
     if not rows:
         raise ValueError(f"{path}: no prompts for split(s) {', '.join(splits)}")
     return rows
@@ -101,14 +103,18 @@ def _read_checked(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _attribute_prompts(folder: Path, split: str = "attribute") -> list[dict[str, Any]]:
-    """An attribute split of a kshapes folder: from its prompts_attribute.jsonl, else (a folder
-    written before that file or split existed) made from its kshapes.yaml — the same prompts
-    `rapiddiff data kshapes` writes today for that config."""
-    if (folder / ATTRIBUTE_FILE).is_file():
-        rows = [r for r in _read_checked(folder / ATTRIBUTE_FILE) if r["split"] == split]
-        if rows:
-            return rows
+def _attribute_prompts(folder: Path, splits: Sequence[str]) -> list[dict[str, Any]]:
+    """The attribute splits of a kshapes folder, in the order asked: from its prompts_attribute.jsonl
+    (read once), else (a folder written before that file or split existed) made from its kshapes.yaml
+    — the same prompts `rapiddiff data kshapes` writes today for that config."""
+    written = _read_checked(folder / ATTRIBUTE_FILE) if (folder / ATTRIBUTE_FILE).is_file() else []
+    rows = []
+    for split in splits:
+        rows += [r for r in written if r["split"] == split] or _attribute_prompts_from_config(folder, split)
+    return rows
+
+
+def _attribute_prompts_from_config(folder: Path, split: str) -> list[dict[str, Any]]:
     config = folder / "kshapes.yaml"
     if not config.is_file():
         raise FileNotFoundError(

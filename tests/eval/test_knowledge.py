@@ -347,6 +347,13 @@ def test_attribute_validation_split_is_its_own_set_and_old_files_get_it_from_the
     assert both == test_rows + val
 
 
+def test_the_attribute_split_names_are_the_generators():
+    from rapiddiff.data.kshapes.generate import ATTRIBUTE_STREAMS
+    from rapiddiff.eval.knowledge import ATTRIBUTE_SPLITS
+
+    assert tuple(ATTRIBUTE_STREAMS) == ATTRIBUTE_SPLITS
+
+
 def test_attribute_split_scores_all_four_and_render_consistency(tmp_path):
     from rapiddiff.data.kshapes.generate import attribute_prompts
 
