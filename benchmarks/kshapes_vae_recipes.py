@@ -29,6 +29,11 @@ LR = ["--model.optim.lr=1e-3", "--model.optim.warmup_steps=200"]
 # Every recipe names its architecture: configs/vae/kshapes.yaml itself changed with this comparison.
 PRESET = '--model.architecture={"block_out_channels": [32, 64, 64, 64]}'  # the kshapes preset's own
 C64 = '--model.architecture={"block_out_channels": [64, 64, 64, 64]}'
+F4 = (
+    '--model.architecture={"block_out_channels": [64, 64, 64], "down_block_types": ["DownEncoderBlock2D",'
+    ' "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D",'
+    ' "UpDecoderBlock2D"]}'
+)
 RECIPES: dict[str, list[str]] = {
     # The config before this comparison (the preset's channels, lr 2e-4).
     "shipped": [PRESET, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
@@ -58,6 +63,10 @@ RECIPES: dict[str, list[str]] = {
     "c64": [C64, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
     "c64_lr5e-4_kl1e-4": [C64, "--model.optim.lr=5e-4", "--model.loss.kl_weight=1e-4"],
     "kl1e-4": [PRESET, "--model.optim.lr=2e-4", "--model.loss.kl_weight=1e-4"],
+    # A 4× VAE (three blocks, two downsamplings): 128² images ↔ 32² × 4 latents, so an object the
+    # U-Net draws is twice as many latent pixels wide (a circle ~8 instead of ~4; issue 18's shape
+    # misses are ellipses read as circles). 1.2 M parameters: the 8× c64 without its 16² level.
+    "f4": [F4, "--model.optim.lr=2e-4", "--model.optim.warmup_steps=500"],
 }
 
 
