@@ -44,6 +44,7 @@ def main() -> None:
         novel = "seen " if pair(v) in seen_pairs else "novel"
         detected = v[first]["detected"]
         drawn = ", ".join(sorted(set(detected), key=detected.count, reverse=True))
+        name = name.partition("/")[2] or name  # "heldout/草莓" (older results: "草莓")
         print(
             f"{name:4s} {novel} want {'/'.join(pair(v)):8s} {first} {100 * v[first]['both']:5.1f} %  drawn: {drawn}"
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -272,11 +272,13 @@ def _accuracy_row(subset: list[dict[str, Any]], split: str, mode: str, variant: 
 
 
 def per_entity(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each entity's (each attribute pair's) hits and readings per mode, keyed "split/label": the
+    attribute splits ask for the same 48 pairs, so a label alone would pool the two sets."""
     table: dict[str, dict[str, Any]] = defaultdict(dict)
     for mode, records in records_by_mode.items():
         groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in records:
-            groups[_label(r)].append(r)
+            groups[f"{r['split']}/{_label(r)}"].append(r)
         for entity, rs in groups.items():
             table[entity]["split"] = rs[0]["split"]
             table[entity]["expected"] = {"colour": rs[0]["colour"], "shape": rs[0]["shape"]}
@@ -285,6 +287,65 @@ def per_entity(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, di
                 "detected": [f"{r['detected_colour']}/{r['detected_shape']}" for r in rs],
             }
     return dict(sorted(table.items()))
+
+
+MISREADINGS_SHOWN = 5
+
+
+def attribute_misses(records_by_mode: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Where the attribute captions miss, per attribute split × mode: "all four" % by background and
+    by shape (worst first), and the commonest misreadings (attribute, asked, read, images; read None:
+    no object found). A miss rate that one background or shape carries is a different problem from
+    one spread evenly; the accuracy rows alone do not tell them apart."""
+    rows = []
+    for split in ATTRIBUTE_SPLITS:
+        for mode, records in records_by_mode.items():
+            subset = [r for r in records if r["split"] == split]
+            if not subset:
+                continue
+            misread: Counter[tuple[str, str, str | None]] = Counter()
+            for r in subset:
+                for attribute in ("colour", "shape", "background", "position"):
+                    if r.get(f"{attribute}_ok") is False:
+                        misread[(attribute, r[attribute], r.get(f"detected_{attribute}"))] += 1
+            rows.append(
+                {
+                    "split": split,
+                    "knowledge": mode,
+                    "images": len(subset),
+                    "by_background": _all_four_by(subset, "background"),
+                    "by_shape": _all_four_by(subset, "shape"),
+                    "misreadings": [
+                        {"attribute": a, "asked": asked, "read": read, "images": n}
+                        for (a, asked, read), n in misread.most_common(MISREADINGS_SHOWN)
+                    ],
+                }
+            )
+    return rows
+
+
+def _all_four_by(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    groups: dict[str, list[bool]] = defaultdict(list)
+    for r in records:
+        groups[r[key]].append(bool(r.get("all_ok")))
+    cells = [{key: k, "images": len(v), "all": 100.0 * sum(v) / len(v)} for k, v in groups.items()]
+    return sorted(cells, key=lambda c: (c["all"], c[key]))
+
+
+def misses_table(rows: Sequence[dict[str, Any]]) -> str:
+    """:func:`attribute_misses` as markdown: "name % (images)" cells, worst first."""
+    lines = [
+        "| prompts | knowledge | all four % by background | all four % by shape | commonest misreadings (asked → read) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        by_bg = ", ".join(f"{c['background']} {c['all']:.1f} ({c['images']})" for c in r["by_background"])
+        by_shape = ", ".join(f"{c['shape']} {c['all']:.1f} ({c['images']})" for c in r["by_shape"])
+        misread = ", ".join(
+            f"{m['attribute']} {m['asked']} → {m['read'] or 'none'} ×{m['images']}" for m in r["misreadings"]
+        )
+        lines.append(f"| {r['split']} | {r['knowledge']} | {by_bg} | {by_shape} | {misread or '–'} |")
+    return "\n".join(lines)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], chance: dict[str, float] | None = None) -> str:
@@ -353,6 +414,13 @@ def knowledge_markdown(record: dict[str, Any]) -> str:
         "them; split attribute: all four):\n",
         attribute_table(rows),
     ]
+    misses = record["details"].get("attribute_misses")
+    if misses:
+        parts += [
+            "\nWhere the attribute captions miss (all four right, by background and by shape, worst first; "
+            "images in brackets):\n",
+            misses_table(misses),
+        ]
     grid = record["details"].get("render_grid")
     parts += [
         "\nRender consistency: each image against kshapes' renderer drawing what the detector read "
@@ -427,6 +495,7 @@ def evaluate_knowledge(
             "images_per_mode": len(jobs),
             "timings": timings,
             "per_entity": per_entity(records),
+            "attribute_misses": attribute_misses(records),
             "render_consistency": {
                 "renderer": "rapiddiff.data.kshapes.render (what the detector read, re-rendered)",
                 "psnr": "RGB, data range 255, capped at 100 dB",

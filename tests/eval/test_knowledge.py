@@ -389,4 +389,52 @@ def test_attribute_split_scores_all_four_and_render_consistency(tmp_path):
     )
     assert detection["background_ok"] is False and detection["rerender"]["shape"] == detection["shape"]
     assert {p["shape"] for p in prompts} == set(SHAPES)
-    assert record["details"]["per_entity"]["红色的圆形"]["on"]["both"] == 1.0
+    assert record["details"]["per_entity"]["attribute/红色的圆形"]["on"]["both"] == 1.0
+    # Where the misses are: with knowledge off every background is misread, none is with it on.
+    misses = {r["knowledge"]: r for r in record["details"]["attribute_misses"]}
+    assert misses["on"]["misreadings"] == [] and all(c["all"] == 100.0 for c in misses["on"]["by_background"])
+    assert all(c["all"] == 0.0 for c in misses["off"]["by_background"])
+    assert {m["attribute"] for m in misses["off"]["misreadings"]} == {"background"}
+    assert "| attribute | on | " in md and "commonest misreadings" in md
+
+
+def _attribute_record(split, background, shape, read_shape, position_ok=True):
+    ok = read_shape == shape
+    return {
+        "split": split, "entity": None, "colour": "红色", "shape": shape, "background": background,
+        "position": "左边", "detected_colour": "红色", "detected_shape": read_shape,
+        "detected_background": background, "detected_position": "左边" if position_ok else "中间",
+        "colour_ok": True, "shape_ok": ok, "both_ok": ok, "background_ok": True,
+        "position_ok": position_ok, "all_ok": ok and position_ok,
+    }  # fmt: skip
+
+
+def test_attribute_misses_are_placed_by_background_and_shape_and_the_splits_kept_apart():
+    from rapiddiff.eval.knowledge import attribute_misses, misses_table, per_entity
+
+    test = [_attribute_record("attribute", "深绿色", "椭圆形", "长条形")] * 3
+    test += [_attribute_record("attribute", "深绿色", "椭圆形", "椭圆形")]
+    test += [_attribute_record("attribute", "灰色", "椭圆形", "椭圆形")] * 4
+    test += [_attribute_record("attribute", "灰色", "圆形", "圆形", position_ok=False)]
+    val = [_attribute_record("attribute_val", "灰色", "椭圆形", "椭圆形")] * 2
+    entity = [{**_attribute_record("heldout", "浅蓝色", "圆形", "圆形"), "entity": "番茄"}]
+    rows = attribute_misses({"on": test + val + entity})
+    assert [(r["split"], r["images"]) for r in rows] == [("attribute", 9), ("attribute_val", 2)]
+    first = rows[0]
+    assert first["by_background"] == [
+        {"background": "深绿色", "images": 4, "all": 25.0},
+        {"background": "灰色", "images": 5, "all": 80.0},
+    ]
+    assert [c["shape"] for c in first["by_shape"]] == ["圆形", "椭圆形"]  # 0 % before 62.5 %
+    assert first["misreadings"] == [
+        {"attribute": "shape", "asked": "椭圆形", "read": "长条形", "images": 3},
+        {"attribute": "position", "asked": "左边", "read": "中间", "images": 1},
+    ]
+    assert rows[1]["misreadings"] == []
+    md = misses_table(rows)
+    assert "| attribute | on | 深绿色 25.0 (4), 灰色 80.0 (5) | 圆形 0.0 (1), 椭圆形 62.5 (8) |" in md
+    assert "shape 椭圆形 → 长条形 ×3, position 左边 → 中间 ×1 |" in md
+    # The same pair in the two attribute splits stays two entries.
+    table = per_entity({"on": test + val})
+    assert table["attribute/红色的椭圆形"]["on"]["both"] == 0.625
+    assert table["attribute_val/红色的椭圆形"]["on"]["both"] == 1.0
