@@ -23,6 +23,10 @@
 # EXTRA_DATA: "NAME:ARGS", a second kshapes folder /tmp/ka/NAME of the same seed with ARGS added (e.g.
 # "data60:--train 60000": the same entities, prompts and held-out splits, more training images), for
 # arms that set --data.train=/tmp/ka/NAME/train.
+# An arm may replace the VAE or the U-Net's architecture too (--model.vae=$PWD/.wt/vae_f4
+# --model.unet=$PWD/benchmarks/kshapes_unet_latent32.json: carry the VAE folder; BENCHMARKS.md, issue 18,
+# "finer latent resolution"). Its model leaves without the VAE's weights, like every arm's, and the
+# eval part would put the shipped 8× VAE back: copy the arm's own VAE into it before an eval call.
 # WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
