@@ -12,7 +12,9 @@ training templates that name colour, shape, background and position ("浅蓝色�
 三角形"), every colour × shape pair, from ``prompts_attribute.jsonl`` (written by `rapiddiff data
 kshapes`; for a folder written before that file existed, the same prompts are made from its
 kshapes.yaml). Every image is also scored on background and position (where the prompt names
-them) and on "all" (every attribute it names right: all four for the attribute split).
+them) and on "all" (every attribute it names right: all four for the attribute split). Where those
+misses fall is tabulated too (:func:`attribute_misses`: all four by background and by shape, and the
+commonest misreadings), since one draw's misses tend to gather in a few cells.
 
 Render consistency (:mod:`rapiddiff.eval.consistency`): what the detector read off each image is
 re-rendered by kshapes' own renderer, and the image's PSNR / SSIM against that re-render are
