@@ -29,10 +29,12 @@ LR = ["--model.optim.lr=1e-3", "--model.optim.warmup_steps=200"]
 # Every recipe names its architecture: configs/vae/kshapes.yaml itself changed with this comparison.
 PRESET = '--model.architecture={"block_out_channels": [32, 64, 64, 64]}'  # the kshapes preset's own
 C64 = '--model.architecture={"block_out_channels": [64, 64, 64, 64]}'
-F4 = (
-    '--model.architecture={"block_out_channels": [64, 64, 64], "down_block_types": ["DownEncoderBlock2D",'
-    ' "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D",'
-    ' "UpDecoderBlock2D"]}'
+F4 = "--model.architecture=" + json.dumps(
+    {
+        "block_out_channels": [64, 64, 64],
+        "down_block_types": ["DownEncoderBlock2D"] * 3,
+        "up_block_types": ["UpDecoderBlock2D"] * 3,
+    }
 )
 RECIPES: dict[str, list[str]] = {
     # The config before this comparison (the preset's channels, lr 2e-4).

@@ -57,7 +57,9 @@ MODES = {"on": True, "off": False, "embed": True, "text": True, "both": True}
 encoder; embed / text / both: that knowledge mode (text: the KG facts spelled into the prompt, the
 honest ceiling for the vector path; :mod:`rapiddiff.models.expansion`)."""
 REQUIRED = ("text", "entity", "colour", "shape", "split")
-REQUIRED_ATTRIBUTE = ("text", "colour", "shape", "background", "position", "split")
+SCORED = ("colour", "shape", "background", "position")
+"""What the detector reads off an image and an attribute caption names (all four: "all")."""
+REQUIRED_ATTRIBUTE = ("text", *SCORED, "split")
 """An attribute-split record names no entity; it must say every attribute it asks for."""
 ATTRIBUTE_FILE = "prompts_attribute.jsonl"
 
@@ -307,7 +309,7 @@ def attribute_misses(records_by_mode: dict[str, list[dict[str, Any]]]) -> list[d
                 continue
             misread: Counter[tuple[str, str, str | None]] = Counter()
             for r in subset:
-                for attribute in ("colour", "shape", "background", "position"):
+                for attribute in SCORED:
                     if r.get(f"{attribute}_ok") is False:
                         misread[(attribute, r[attribute], r.get(f"detected_{attribute}"))] += 1
             rows.append(
@@ -341,8 +343,10 @@ def misses_table(rows: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        by_bg = ", ".join(f"{c['background']} {c['all']:.1f} ({c['images']})" for c in r["by_background"])
-        by_shape = ", ".join(f"{c['shape']} {c['all']:.1f} ({c['images']})" for c in r["by_shape"])
+        by_bg, by_shape = (
+            ", ".join(f"{c[key]} {c['all']:.1f} ({c['images']})" for c in r[f"by_{key}"])
+            for key in ("background", "shape")
+        )
         misread = ", ".join(
             f"{m['attribute']} {m['asked']} → {m['read'] or 'none'} ×{m['images']}" for m in r["misreadings"]
         )
