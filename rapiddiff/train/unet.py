@@ -639,8 +639,10 @@ class LatentDiffusion(RapidModule):
         return cache
 
     # ------------------------------------------------------------------ sampling and export
-    def sample_images(self) -> torch.Tensor:
+    def sample_images(self) -> torch.Tensor | None:
         s = self.sampling
+        if not s.prompts or not s.seeds:  # `--model.sampling.prompts=[]`: no grid, not a tokenizer error
+            return None
         prompts = [p for p in s.prompts for _ in s.seeds]
         seeds = [seed for _ in s.prompts for seed in s.seeds]
         with self.ema_weights():

@@ -341,3 +341,11 @@ def test_input_perturbation_moves_the_input_not_the_target() -> None:
     assert 0.9 < float(extra.std()) < 1.1  # noise + 0.5 * N(0, 1) in, the noise itself as the target
     with pytest.raises(ValueError, match="input_perturbation must be >= 0"):
         DiffusionLoss(input_perturbation=-0.1)
+
+
+def test_no_sampling_prompts_means_no_grid() -> None:
+    """`--model.sampling.prompts=[]` skips the grid; the tokenizer used to fail on an empty batch."""
+    module = unet_stage.LatentDiffusion(
+        unet="tiny", vae="tiny", text_encoder="tiny", ema=None, sampling=unet_stage.SamplingConfig(prompts=())
+    )
+    assert module.sample_images() is None
