@@ -1,0 +1,123 @@
+"""Issue 18: a U-Net draw's weak cells, found on the validation attribute captions, oversampled in a
+second training phase.
+
+Each 2-head U-Net draw misses the attribute captions in its own one or two cells (BENCHMARKS.md,
+issue 18, "where the three draws miss": ellipses on dark green, ellipses anywhere, centred
+positions), and the cells a draw misses on the validation captions are the ones it misses on the
+test captions. This script picks those cells from a draw's evaluation of ``attribute_val`` alone
+(the test captions stay unread) and writes a training table in which the training lines of those
+cells come ``factor`` times; ``rapiddiff train unet --model.pretrained=DRAW --data.train=TABLE``
+then continues the draw on it.
+
+    python benchmarks/kshapes_weak_cells.py select --detections EVAL/knowledge_on/detections.jsonl \
+        --name u1 --into benchmarks/kshapes_weak_cells.json
+    python benchmarks/kshapes_weak_cells.py write --train data/train --weak benchmarks/kshapes_weak_cells.json \
+        --name u1 --factor 3 --out data/train/weak_u1.jsonl
+
+A value is weak when the validation images that ask for it miss (not all four right) at least
+``ratio`` times as often as all the validation images do, and at least ``min_misses`` times: the
+second keeps one unlucky image of a rare value from counting. A training line belongs to a weak
+cell when its object has the weak colour or shape (an entity caption names its object by the
+entity, which implies both), or when its caption *names* the weak background or position (a caption
+that does not name them teaches nothing about their words).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ATTRIBUTES = ("colour", "shape", "background", "position")
+NAMED_IN_TEXT = ("background", "position")  # only lines whose caption names them count
+
+
+def weak_values(
+    detections: Iterable[dict[str, Any]],
+    split: str = "attribute_val",
+    ratio: float = 2.0,
+    min_misses: int = 3,
+) -> dict[str, list[str]]:
+    """{attribute: [weak values, most missed first]} of one evaluation's ``split`` images."""
+    rows = [row for row in detections if row.get("split") == split]
+    if not rows:
+        raise ValueError(f"no detections of split {split!r}")
+    overall = sum(not row["all_ok"] for row in rows) / len(rows)
+    weak: dict[str, list[str]] = {}
+    for attribute in ATTRIBUTES:
+        asked, missed = Counter(), Counter()
+        for row in rows:
+            asked[row[attribute]] += 1
+            missed[row[attribute]] += not row["all_ok"]
+        rates = {value: missed[value] / asked[value] for value in asked}
+        chosen = [
+            value
+            for value in sorted(rates, key=lambda v: (-rates[v], v))
+            if missed[value] >= min_misses and rates[value] >= ratio * overall > 0
+        ]
+        if chosen:
+            weak[attribute] = chosen
+    return weak
+
+
+def in_weak_cell(line: dict[str, Any], weak: dict[str, list[str]]) -> bool:
+    """Whether a training line's object or caption falls in one of the weak cells."""
+    for attribute, values in weak.items():
+        value = line.get(attribute)
+        if value in values and (attribute not in NAMED_IN_TEXT or value in line.get("text", "")):
+            return True
+    return False
+
+
+def oversample(train: Path, weak: dict[str, list[str]], factor: int, out: Path) -> dict[str, int]:
+    """Write ``train``'s metadata.jsonl to ``out`` with the weak cells' lines ``factor`` times."""
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    if out.parent.resolve() != train.resolve():
+        raise ValueError(f"{out}: write the table into {train}, where its file_name paths point")
+    lines = (train / "metadata.jsonl").read_text(encoding="utf-8").splitlines()
+    written = in_cells = 0
+    with out.open("w", encoding="utf-8") as table:
+        for raw in lines:
+            times = factor if in_weak_cell(json.loads(raw), weak) else 1
+            in_cells += times > 1
+            table.write((raw + "\n") * times)
+            written += times
+    return {"lines": len(lines), "in_weak_cells": in_cells, "written": written}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    select = commands.add_parser("select", help="a draw's weak values from its validation detections")
+    select.add_argument("--detections", type=Path, required=True, help="an eval knowledge detections.jsonl")
+    select.add_argument("--name", required=True, help="the draw's name in the JSON file")
+    select.add_argument("--into", type=Path, required=True, help="JSON file of {name: weak values}; updated")
+    select.add_argument("--ratio", type=float, default=2.0)
+    select.add_argument("--min-misses", type=int, default=3)
+    write = commands.add_parser("write", help="a training table with a draw's weak cells oversampled")
+    write.add_argument("--train", type=Path, required=True, help="the kshapes train folder")
+    write.add_argument("--weak", type=Path, required=True, help="the JSON file select writes")
+    write.add_argument("--name", required=True)
+    write.add_argument("--factor", type=int, default=3)
+    write.add_argument("--out", type=Path, required=True, help="a .jsonl inside --train")
+    args = parser.parse_args(argv)
+    if args.command == "select":
+        with args.detections.open(encoding="utf-8") as file:
+            weak = weak_values(map(json.loads, file), ratio=args.ratio, min_misses=args.min_misses)
+        table = json.loads(args.into.read_text(encoding="utf-8")) if args.into.exists() else {}
+        table[args.name] = weak
+        args.into.write_text(json.dumps(table, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        print(args.name, json.dumps(weak, ensure_ascii=False))
+    else:
+        weak = json.loads(args.weak.read_text(encoding="utf-8"))[args.name]
+        print(args.name, json.dumps(oversample(args.train, weak, args.factor, args.out)))
+
+
+if __name__ == "__main__":
+    main()
