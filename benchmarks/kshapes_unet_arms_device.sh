@@ -27,6 +27,7 @@
 # --model.unet=$PWD/benchmarks/kshapes_unet_latent32.json: carry the VAE folder; BENCHMARKS.md, issue 18,
 # "finer latent resolution"). Its model leaves without the VAE's weights, like every arm's, and the
 # eval part would put the shipped 8× VAE back: copy the arm's own VAE into it before an eval call.
+# PREP: bash run after the data, before training (see the loop below).
 # WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
@@ -59,6 +60,9 @@ if [ "$part" != eval ]; then
       $work/${e}32/text_encoder
     sed -i 's/"dtype": "float16"/"dtype": "float32"/' $work/${e}32/text_encoder/config.json  # transformers loads the config's dtype
   done
+  # PREP: bash run once the data and encoders exist, before the arms train (the weak-cell tables and
+  # carried draws of benchmarks/kshapes_weak_cells_device.sh)
+  if [ -n "${PREP:-}" ]; then ( eval "$PREP" ) > $logs/prep.log 2>&1 || { tail -20 $logs/prep.log; exit 1; }; fi
   IFS=';' read -ra specs <<< "$arms"
   for spec in "${specs[@]}"; do
     name=${spec%%:*}; extra=${spec#*:}
