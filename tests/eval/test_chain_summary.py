@@ -193,6 +193,13 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
     run = chain.Chain(tmp_path, cfg, smoke=True)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "prompts.jsonl").write_text("", "utf-8")  # the data exists
+    (tmp_path / "data" / "train").mkdir()
+    lines = [
+        {"file_name": "0.png", "text": "一个鸡蛋", "shape": "椭圆形"},
+        {"file_name": "1.png", "text": "一个番茄", "shape": "圆形"},
+    ]
+    metadata = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+    (tmp_path / "data" / "train" / "metadata.jsonl").write_text(metadata, "utf-8")
     batches: list[dict[str, list[str]]] = []
 
     def fake_parallel(batch):
@@ -217,6 +224,12 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
     assert (
         arg(second, "--output") == str(tmp_path / "unet_on_r2") and "--model.trainable=[unet]" not in second
     )
+    # the chain's weak cells (the ellipse) come unet_weak_cells_factor times in every U-Net's data
+    table = tmp_path / "data" / "train" / "unet_weak_cells.jsonl"
+    assert {arg(cmd, "--data.train") for b in batches[:2] for cmd in b.values()} == {str(table)}
+    assert [json.loads(x)["file_name"] for x in table.read_text("utf-8").splitlines()] == ["0.png"] * 3 + [
+        "1.png"
+    ]
     evaluated = {name: cmd[cmd.index("--model") + 1] for name, cmd in batches[2].items()}
     assert (
         evaluated["knowledge_unet-on"]
@@ -230,6 +243,11 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
     cfg.unet_rounds = 3
     with pytest.raises(SystemExit, match="unet_rounds: 1 or 2"):
         chain.Chain(tmp_path / "x", cfg, smoke=True)
+    cfg.unet_rounds, cfg.unet_weak_cells = 1, {"shapes": ["椭圆形"]}
+    with pytest.raises(SystemExit, match="shapes\\? the attributes are colour, shape"):
+        chain.Chain(tmp_path, cfg, smoke=True).unet_train_data()
+    cfg.unet_weak_cells = None
+    assert chain.Chain(tmp_path, cfg, smoke=True).unet_train_data() == tmp_path / "data" / "train"
     # unet_train_fusion=false: the knowledge U-Net trains alone, on its encoders' states cached once
     cfg.unet_rounds = 1
     commands = {}
@@ -310,6 +328,7 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
 
     # the third call: round one counts as done, round two trains on the unpacked encoders
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", unet_rounds=2)
+    cfg.unet_weak_cells = None  # the data folder here has no training lines to repeat
     run = chain.Chain(second, cfg, smoke=True)
     trained: list[str] = []
     monkeypatch.setattr(run, "run_parallel", lambda batch: trained.extend(batch))
