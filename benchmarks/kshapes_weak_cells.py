@@ -1,18 +1,22 @@
-"""Issue 18: a U-Net draw's weak cells, found on the validation attribute captions, oversampled in a
-second training phase.
+"""Issue 18: a U-Net draw's weak cells, found on the validation attribute captions, oversampled in the
+U-Net's training data.
 
 Each 2-head U-Net draw misses the attribute captions in its own one or two cells (BENCHMARKS.md,
 issue 18, "where the three draws miss": ellipses on dark green, ellipses anywhere, centred
 positions), and the cells a draw misses on the validation captions are the ones it misses on the
 test captions. This script picks those cells from a draw's evaluation of ``attribute_val`` alone
 (the test captions stay unread) and writes a training table in which the training lines of those
-cells come ``factor`` times; ``rapiddiff train unet --model.pretrained=DRAW --data.train=TABLE``
-then continues the draw on it.
+cells come ``factor`` times, for ``rapiddiff train unet --data.train=TABLE``. Measured (BENCHMARKS.md,
+issue 18, "weak cells"): a draw continued on its own cells loses; the cells three draws share
+("pooled": ellipse, dark green) from the start lift the attribute captions, and the chain trains its
+U-Net that way (``configs/kshapes/chain.yaml``: ``unet_weak_cells``, through :func:`oversample`).
 
     python benchmarks/kshapes_weak_cells.py select --detections EVAL/knowledge_on/detections.jsonl \
         --name u1 --into benchmarks/kshapes_weak_cells.json
     python benchmarks/kshapes_weak_cells.py write --train data/train --weak benchmarks/kshapes_weak_cells.json \
         --name u1 --factor 3 --out data/train/weak_u1.jsonl
+
+("pooled" is ``select`` on the three draws' detections.jsonl files concatenated.)
 
 A value is weak when the validation images that ask for it miss (not all four right) at least
 ``ratio`` times as often as all the validation images do, and at least ``min_misses`` times: the
