@@ -22,11 +22,11 @@ from rapiddiff.infer.png import read_png_metadata
 BACKGROUND = "灰色"  # one of the kshapes training backgrounds, far from every object colour
 SEEDS = (0, 1, 2)
 # Least images (of entities × len(SEEDS)) with colour AND shape right; chance is 1/48 an image.
-# Measured on CPU at these seeds (2026-11-28: the relation-weights chain's seed-1 encoders with a U-Net
-# of the 2-head kshapes preset, in its shipped knowledge mode "both" and its guidance 3.0; `python
-# benchmarks/builtin_entity_counts.py --guidance 3.0 --knowledge default embed off`): seen 34 of 36,
-# held-out 45 of 45; mode "embed" 35 and 44; knowledge off 0 and 5 (the 7 M U-Net before it: 35 and 42,
-# 36 and 38, 1 and 6).
+# Measured on CPU at these seeds (2026-11-28 evening: the relation-weights chain's seed-1 encoders with a
+# U-Net of the 2-head kshapes preset trained with the ellipse and dark-green lines 3×, in its shipped
+# knowledge mode "both" and its guidance 3.0; `python benchmarks/builtin_entity_counts.py --knowledge
+# default off`): seen 35 of 36, held-out 44 of 45; knowledge off 0 and 5 (the U-Net before it, trained
+# on the data as it is: 34 and 45, off 0 and 5; the 7 M U-Net before that: 35 and 42, off 1 and 6).
 MIN_BOTH = {"seen": 30, "heldout": 40}
 STEPS = 20  # PNDM (the shipped model's sampler); fewer leaves the colours of this small model unsettled (10 steps: ~1 in 3 right)
 
