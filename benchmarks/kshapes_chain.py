@@ -239,6 +239,13 @@ class Chain:
         self.train_vae = True
         if cfg.unet_rounds not in (1, 2):
             raise SystemExit(f"unet_rounds: 1 or 2, got {cfg.unet_rounds}")
+        if cfg.unet_weak_cells:  # checked here: a typo stops the chain before its first stage
+            from kshapes_weak_cells import check_weak
+
+            try:
+                check_weak(cfg.unet_weak_cells, cfg.unet_weak_cells_factor)
+            except ValueError as err:
+                raise SystemExit(f"unet_weak_cells: {err}") from err
         # the knowledge-on U-Net folder that is chosen, evaluated and shipped
         self.unet_on = "unet_on_r2" if cfg.unet_rounds == 2 else "unet_on"
 
@@ -389,25 +396,16 @@ class Chain:
 
     def unet_train_data(self) -> Path:
         """The U-Net stage's training data: the train folder, or with ``unet_weak_cells`` a table in it
-        that repeats the lines of those cells (written once)."""
+        that repeats the lines of those cells (rewritten each time: milliseconds, and never stale
+        after the config changes)."""
         train = self.data / "train"
         if not self.cfg.unet_weak_cells:
             return train
-        from kshapes_weak_cells import ATTRIBUTES, oversample
+        from kshapes_weak_cells import oversample
 
-        unknown = sorted(set(self.cfg.unet_weak_cells) - set(ATTRIBUTES))
-        if unknown:
-            raise SystemExit(
-                f"unet_weak_cells: {', '.join(unknown)}? the attributes are {', '.join(ATTRIBUTES)}"
-            )
-        if self.cfg.unet_weak_cells_factor < 1:
-            raise SystemExit(f"unet_weak_cells_factor must be >= 1, got {self.cfg.unet_weak_cells_factor}")
         table = train / "unet_weak_cells.jsonl"
-        if not table.exists():
-            partial = table.with_suffix(".partial")  # a table cut short is never trained on
-            counts = oversample(train, self.cfg.unet_weak_cells, self.cfg.unet_weak_cells_factor, partial)
-            partial.replace(table)
-            print(f"unet_weak_cells: {counts}", flush=True)
+        counts = oversample(train, self.cfg.unet_weak_cells, self.cfg.unet_weak_cells_factor, table)
+        print(f"unet_weak_cells: {counts}", flush=True)
         return table
 
     def unet_training(self, name: str, encoders: str, knowledge: bool, data: list[str]) -> list[str]:

@@ -30,12 +30,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ATTRIBUTES = ("colour", "shape", "background", "position")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rapiddiff.data.loader import ERROR_COLUMN, LINE_COLUMN, parse_json_lines
+from rapiddiff.eval.knowledge import SCORED
+
 NAMED_IN_TEXT = ("background", "position")  # only lines whose caption names them count
 
 
@@ -51,7 +56,7 @@ def weak_values(
         raise ValueError(f"no detections of split {split!r}")
     overall = sum(not row["all_ok"] for row in rows) / len(rows)
     weak: dict[str, list[str]] = {}
-    for attribute in ATTRIBUTES:
+    for attribute in SCORED:
         asked, missed = Counter(), Counter()
         for row in rows:
             asked[row[attribute]] += 1
@@ -76,21 +81,39 @@ def in_weak_cell(line: dict[str, Any], weak: dict[str, list[str]]) -> bool:
     return False
 
 
-def oversample(train: Path, weak: dict[str, list[str]], factor: int, out: Path) -> dict[str, int]:
-    """Write ``train``'s metadata.jsonl to ``out`` with the weak cells' lines ``factor`` times."""
+def check_weak(weak: dict[str, list[str]], factor: int) -> None:
+    """Raises ValueError naming the attributes when ``weak`` has another key, or ``factor`` < 1."""
+    unknown = sorted(set(weak) - set(SCORED))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}? the attributes are {', '.join(SCORED)}")
     if factor < 1:
         raise ValueError(f"factor must be >= 1, got {factor}")
+
+
+def oversample(train: Path, weak: dict[str, list[str]], factor: int, out: Path) -> dict[str, int]:
+    """Write ``train``'s metadata.jsonl to ``out`` with the weak cells' lines ``factor`` times, atomically.
+    A line that is not a JSON object is left out and named on stderr (file and line), as the loader would."""
+    check_weak(weak, factor)
     if out.parent.resolve() != train.resolve():
         raise ValueError(f"{out}: write the table into {train}, where its file_name paths point")
-    lines = (train / "metadata.jsonl").read_text(encoding="utf-8").splitlines()
-    written = in_cells = 0
-    with out.open("w", encoding="utf-8") as table:
-        for raw in lines:
-            times = factor if in_weak_cell(json.loads(raw), weak) else 1
-            in_cells += times > 1
-            table.write((raw + "\n") * times)
-            written += times
-    return {"lines": len(lines), "in_weak_cells": in_cells, "written": written}
+    counts = {"lines": 0, "in_weak_cells": 0, "written": 0}
+    skipped: list[str] = []
+    partial = out.with_name(out.name + ".partial")  # a table cut short is never trained on
+    with partial.open("w", encoding="utf-8") as table:
+        for record in parse_json_lines(train / "metadata.jsonl"):
+            line = record.pop(LINE_COLUMN)
+            if ERROR_COLUMN in record:
+                skipped.append(f"{train / 'metadata.jsonl'}:{line}: {record[ERROR_COLUMN]}")
+                continue
+            times = factor if in_weak_cell(record, weak) else 1
+            table.write((json.dumps(record, ensure_ascii=False) + "\n") * times)
+            counts["lines"] += 1
+            counts["in_weak_cells"] += times > 1
+            counts["written"] += times
+    partial.replace(out)
+    if skipped:
+        print(f"oversample: {len(skipped)} unreadable lines left out:", *skipped, sep="\n  ", file=sys.stderr)
+    return counts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,16 +134,22 @@ def main(argv: list[str] | None = None) -> None:
     write.add_argument("--factor", type=int, default=3)
     write.add_argument("--out", type=Path, required=True, help="a .jsonl inside --train")
     args = parser.parse_args(argv)
-    if args.command == "select":
-        with args.detections.open(encoding="utf-8") as file:
-            weak = weak_values(map(json.loads, file), ratio=args.ratio, min_misses=args.min_misses)
-        table = json.loads(args.into.read_text(encoding="utf-8")) if args.into.exists() else {}
-        table[args.name] = weak
-        args.into.write_text(json.dumps(table, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-        print(args.name, json.dumps(weak, ensure_ascii=False))
-    else:
-        weak = json.loads(args.weak.read_text(encoding="utf-8"))[args.name]
-        print(args.name, json.dumps(oversample(args.train, weak, args.factor, args.out)))
+    try:
+        if args.command == "select":
+            with args.detections.open(encoding="utf-8") as file:
+                weak = weak_values(map(json.loads, file), ratio=args.ratio, min_misses=args.min_misses)
+            table = json.loads(args.into.read_text(encoding="utf-8")) if args.into.exists() else {}
+            table[args.name] = weak
+            args.into.write_text(json.dumps(table, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+            print(args.name, json.dumps(weak, ensure_ascii=False))
+        else:
+            tables = json.loads(args.weak.read_text(encoding="utf-8"))
+            if args.name not in tables:
+                raise ValueError(f"{args.weak}: no cells named {args.name!r}; it has {', '.join(tables)}")
+            weak = tables[args.name]
+            print(args.name, json.dumps(oversample(args.train, weak, args.factor, args.out)))
+    except (ValueError, OSError) as err:  # a typo or a missing file: one line, no traceback
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
         chain.Chain(tmp_path / "x", cfg, smoke=True)
     cfg.unet_rounds, cfg.unet_weak_cells = 1, {"shapes": ["椭圆形"]}
     with pytest.raises(SystemExit, match="shapes\\? the attributes are colour, shape"):
-        chain.Chain(tmp_path, cfg, smoke=True).unet_train_data()
+        chain.Chain(tmp_path, cfg, smoke=True)
     cfg.unet_weak_cells = None
     assert chain.Chain(tmp_path, cfg, smoke=True).unet_train_data() == tmp_path / "data" / "train"
     # unet_train_fusion=false: the knowledge U-Net trains alone, on its encoders' states cached once

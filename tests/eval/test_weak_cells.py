@@ -87,3 +87,14 @@ def test_oversample_repeats_the_weak_cells_lines(weak_cells, tmp_path: Path) -> 
     assert counts == {"lines": 3, "in_weak_cells": 2, "written": 7}
     with pytest.raises(ValueError, match="where its file_name paths point"):
         weak_cells.oversample(tmp_path, weak, 3, tmp_path.parent / "weak.jsonl")
+
+
+def test_an_unreadable_line_is_left_out_and_named(weak_cells, tmp_path: Path, capsys) -> None:
+    good = {"file_name": "0.png", "text": "一个鸡蛋", "shape": "椭圆形"}
+    (tmp_path / "metadata.jsonl").write_text(json.dumps(good) + "\n{not json\n", encoding="utf-8")
+    counts = weak_cells.oversample(tmp_path, {"shape": ["椭圆形"]}, 2, tmp_path / "weak.jsonl")
+    assert counts == {"lines": 1, "in_weak_cells": 1, "written": 2}
+    assert "metadata.jsonl:2" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.partial"))  # written atomically
+    with pytest.raises(ValueError, match="shapes\\? the attributes are colour, shape"):
+        weak_cells.oversample(tmp_path, {"shapes": ["椭圆形"]}, 2, tmp_path / "weak.jsonl")
