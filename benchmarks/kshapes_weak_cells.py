@@ -3,8 +3,8 @@ U-Net's training data.
 
 Each 2-head U-Net draw misses the attribute captions in its own one or two cells (BENCHMARKS.md,
 issue 18, "where the three draws miss": ellipses on dark green, ellipses anywhere, centred
-positions), and the cells a draw misses on the validation captions are the ones it misses on the
-test captions. This script picks those cells from a draw's evaluation of ``attribute_val`` alone
+positions), and the cells a draw misses on the validation captions are mostly the ones it misses
+on the test captions. This script picks those cells from a draw's evaluation of ``attribute_val`` alone
 (the test captions stay unread) and writes a training table in which the training lines of those
 cells come ``factor`` times, for ``rapiddiff train unet --data.train=TABLE``. Measured (BENCHMARKS.md,
 issue 18, "weak cells"): a draw continued on its own cells loses; the cells three draws share
