@@ -98,6 +98,7 @@ def oversample(train: Path, weak: dict[str, list[str]], factor: int, out: Path) 
         raise ValueError(f"{out}: write the table into {train}, where its file_name paths point")
     counts = {"lines": 0, "in_weak_cells": 0, "written": 0}
     skipped: list[str] = []
+    present: dict[str, set[str]] = {attribute: set() for attribute in weak}  # to name a mistyped value
     partial = out.with_name(out.name + ".partial")  # a table cut short is never trained on
     with partial.open("w", encoding="utf-8") as table:
         for record in parse_json_lines(train / "metadata.jsonl"):
@@ -105,11 +106,22 @@ def oversample(train: Path, weak: dict[str, list[str]], factor: int, out: Path) 
             if ERROR_COLUMN in record:
                 skipped.append(f"{train / 'metadata.jsonl'}:{line}: {record[ERROR_COLUMN]}")
                 continue
+            for attribute, values in present.items():
+                values.add(record.get(attribute))
             times = factor if in_weak_cell(record, weak) else 1
             table.write((json.dumps(record, ensure_ascii=False) + "\n") * times)
             counts["lines"] += 1
             counts["in_weak_cells"] += times > 1
             counts["written"] += times
+    missing = {a: sorted(set(v) - present[a]) for a, v in weak.items() if set(v) - present[a]}
+    if missing:
+        partial.unlink()
+        raise ValueError(
+            "; ".join(
+                f"{a} {', '.join(v)} is in no line (it has {', '.join(sorted(map(str, present[a])))})"
+                for a, v in missing.items()
+            )
+        )
     partial.replace(out)
     if skipped:
         print(f"oversample: {len(skipped)} unreadable lines left out:", *skipped, sep="\n  ", file=sys.stderr)

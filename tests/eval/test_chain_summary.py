@@ -196,7 +196,12 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
     (tmp_path / "data" / "train").mkdir()
     lines = [
         {"file_name": "0.png", "text": "一个鸡蛋", "shape": "椭圆形"},
-        {"file_name": "1.png", "text": "一个番茄", "shape": "圆形"},
+        {
+            "file_name": "1.png",
+            "text": "一个番茄",
+            "shape": "圆形",
+            "background": "深绿色",
+        },  # not named: once
     ]
     metadata = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
     (tmp_path / "data" / "train" / "metadata.jsonl").write_text(metadata, "utf-8")

@@ -98,3 +98,5 @@ def test_an_unreadable_line_is_left_out_and_named(weak_cells, tmp_path: Path, ca
     assert not list(tmp_path.glob("*.partial"))  # written atomically
     with pytest.raises(ValueError, match="shapes\\? the attributes are colour, shape"):
         weak_cells.oversample(tmp_path, {"shapes": ["椭圆形"]}, 2, tmp_path / "weak.jsonl")
+    with pytest.raises(ValueError, match="shape 椭圆 is in no line"):
+        weak_cells.oversample(tmp_path, {"shape": ["椭圆"]}, 2, tmp_path / "weak.jsonl")
