@@ -27,7 +27,9 @@
 # --model.unet=$PWD/benchmarks/kshapes_unet_latent32.json: carry the VAE folder; BENCHMARKS.md, issue 18,
 # "finer latent resolution"). Its model leaves without the VAE's weights, like every arm's, and the
 # eval part would put the shipped 8× VAE back: copy the arm's own VAE into it before an eval call.
-# PREP: bash run after the data, before training (see the loop below).
+# PREP: bash run after the data, before training (see the loop below). POST: bash run after the arms are
+# assembled; POST_MODELS: the folders it makes ($work/NAME/builtin), evaluated and kept as arms are.
+# An arm with --ckpt_path=FILE (another arm's checkpoint: a fork) starts when FILE appears.
 # WHEELS: the wheel folder (an eval call with two arms fits the 64 MiB carry only with a slimmer set than .wt/slim: without pykeen and its
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
@@ -66,20 +68,29 @@ if [ "$part" != eval ]; then
   IFS=';' read -ra specs <<< "$arms"
   for spec in "${specs[@]}"; do
     name=${spec%%:*}; extra=${spec#*:}
-    # shellcheck disable=SC2086  # $extra: the arm's overrides, one word each
-    python -m rapiddiff train unet --config configs/unet/kshapes.yaml --trainer.max_steps="$steps" \
-      --trainer.max_time="${TRAIN_TIME:-00:00:07:20}" --trainer.precision=bf16-mixed --trainer.enable_progress_bar=false \
-      --trainer.default_root_dir=$work/runs/"$name" --output=$work/"$name"/model \
-      --data.train=$work/data/train --data.val=$work/data/val --data.num_workers=3 \
-      --seed_everything="$seed" --data.seed="$seed" --model.seed="$seed" \
-      --model.vae=$work/encoders/vae --model.text_encoder=$work/encoders \
-      --model.speed.gpu_data=true --model.speed.foreach_ema=true --model.speed.cuda_graph=true \
-      --model.optim.fused=true --model.speed.sync_every=10 $extra > $logs/train_"$name".log 2>&1 &
+    # an arm that resumes another arm's checkpoint (a fork: --ckpt_path=/tmp/ka/runs/NAME/checkpoints/
+    # step=0001000.ckpt) starts when that file appears (written atomically: a present file is whole)
+    start=""; [[ "$extra" =~ --ckpt_path=([^ ]+) ]] && start=${BASH_REMATCH[1]}
+    (
+      if [ -n "$start" ]; then
+        until [ -f "$start" ]; do sleep 1; [ $SECONDS -gt "${DEADLINE:-100000}" ] && exit 1; done
+      fi
+      # shellcheck disable=SC2086  # $extra: the arm's overrides, one word each
+      python -m rapiddiff train unet --config configs/unet/kshapes.yaml --trainer.max_steps="$steps" \
+        --trainer.max_time="${TRAIN_TIME:-00:00:07:20}" --trainer.precision=bf16-mixed --trainer.enable_progress_bar=false \
+        --trainer.default_root_dir=$work/runs/"$name" --output=$work/"$name"/model \
+        --data.train=$work/data/train --data.val=$work/data/val --data.num_workers=3 \
+        --seed_everything="$seed" --data.seed="$seed" --model.seed="$seed" \
+        --model.vae=$work/encoders/vae --model.text_encoder=$work/encoders \
+        --model.speed.gpu_data=true --model.speed.foreach_ema=true --model.speed.cuda_graph=true \
+        --model.optim.fused=true --model.speed.sync_every=10 $extra > $logs/train_"$name".log 2>&1
+    ) &
   done
   wait
+  # each arm assembled in its own process, side by side (about 20 s each, CPU-bound)
   for spec in "${specs[@]}"; do
     name=${spec%%:*}
-    python - "$work/$name" "$work/data" "$shipped" <<'PY' >> $logs/assemble.log 2>&1
+    python - "$work/$name" "$work/data" "$shipped" <<'PY' > $logs/assemble_"$name".log 2>&1 &
 import sys
 from pathlib import Path
 
@@ -92,6 +103,12 @@ if (run / "builtin" / "knowledge").exists():  # a no-knowledge arm has no store 
     record_kg_only_entities(data, run / "builtin")
 print(run.name, "assembled")
 PY
+  done
+  wait
+  # POST: bash run once the arms are assembled (kshapes_soup_device.sh averages them); the folders it
+  # names in POST_MODELS ($work/NAME/builtin) are evaluated and kept like arms
+  if [ -n "${POST:-}" ]; then ( eval "$POST" ) > $logs/post.log 2>&1 || tail -20 $logs/post.log; fi
+  for name in $(for spec in "${specs[@]}"; do echo "${spec%%:*}"; done) ${POST_MODELS:-}; do
     # without the files every arm shares with the shipped model (the frozen VAE, its upscaler): the
     # eval call puts them back, so three arms and the wheels fit the 64 MiB carry
     [[ "${KEEP:-all}" == all || ",$KEEP," == *",$name,"* ]] || continue
@@ -99,12 +116,15 @@ PY
       --exclude=upscaler/upscaler.safetensors builtin | split -b 15m - "$out/$name.tgz."
   done
   grep -h "step $steps/$steps\|stopped" $logs/train_*.log
+  cat $logs/assemble_*.log >> $logs/assemble.log
   # (an `all` call's logs leave in eval.tgz: three arms' 6 pieces + knowledge.md + eval.tgz = the 8 files)
   [ "$part" = train ] && tar czf "$out/logs.tgz" $logs $(find $work/runs -name "metrics.csv" -o -name "*.png") 2>/dev/null
 fi
 if [ "$part" = all ]; then
   models=(); [ "${SHIPPED:-0}" = 1 ] && models=("shipped=$shipped")  # SHIPPED=1: the model in the tree beside the arms
-  for spec in "${specs[@]}"; do name=${spec%%:*}; [ -d $work/"$name"/builtin ] && models+=("$name=$work/$name/builtin"); done
+  for name in $(for spec in "${specs[@]}"; do echo "${spec%%:*}"; done) ${POST_MODELS:-}; do
+    [ -d $work/"$name"/builtin ] && models+=("$name=$work/$name/builtin")
+  done
 elif [ "$part" = eval ]; then
   carried=$3
   models=(); [ "${SHIPPED:-1}" = 1 ] && models=("shipped=$shipped")  # SHIPPED=0: the arms alone

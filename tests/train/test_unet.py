@@ -89,6 +89,56 @@ def test_ctrl_c_saves_and_resume_reproduces_the_uninterrupted_losses(
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_a_fork_resumes_another_runs_checkpoint_with_its_own_seed_and_the_soup_loads(
+    data: Path, tmp_path: Path, uninterrupted: tuple[dict[int, float], Path]
+) -> None:
+    """benchmarks/kshapes_soup_device.sh: a fork goes on from the trunk's step with its own data order
+    and noise, to the trunk's end; the mean of the two exported folders is a model folder that samples."""
+    import importlib.util
+
+    # Both runs take their frozen parts from one folder, as the device script's do (a preset's random
+    # init would follow each run's seed).
+    frozen = uninterrupted[1]
+    record = "--trainer.callbacks+=tests.train.helpers.RecordLosses"
+
+    def run(root: Path, *extra: str) -> dict[int, float]:
+        unet_stage.cli_main(
+            [
+                *tiny_unet_args(data, root, 5),
+                f"--model.vae={frozen / 'vae'}",
+                f"--model.text_encoder={frozen}",
+                record,
+                f"--trainer.callbacks.path={root}.txt",
+                *extra,
+            ]
+        )
+        return read_losses(Path(f"{root}.txt"))
+
+    trunk_losses = run(tmp_path / "trunk")
+    seed = ["--seed_everything=7", "--model.seed=7", "--data.seed=7"]
+    fork_ckpt = f"--ckpt_path={tmp_path / 'trunk' / 'checkpoints' / 'step=0000002.ckpt'}"
+    losses = run(tmp_path / "fork", fork_ckpt, *seed)
+    assert sorted(losses) == [3, 4, 5]  # on from the trunk's step 2 to the same end
+    assert all(losses[step] != trunk_losses[step] for step in losses)  # its own draws
+    spec = importlib.util.spec_from_file_location(
+        "kshapes_soup", Path(__file__).parents[2] / "benchmarks" / "kshapes_soup.py"
+    )
+    soup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soup)
+    trunk_model, fork_model = tmp_path / "trunk" / "model", tmp_path / "fork" / "model"
+    averaged = soup.average_folders([trunk_model, fork_model], tmp_path / "soup")
+    assert "unet/diffusion_pytorch_model.safetensors" in averaged
+    assert "vae/diffusion_pytorch_model.safetensors" not in averaged  # frozen: the same bytes
+    from safetensors.torch import load_file
+
+    from rapiddiff.models.bundle import load_model_folder
+
+    bundle = load_model_folder(tmp_path / "soup", device="cpu")
+    a, b = (load_file(m / "unet" / "diffusion_pytorch_model.safetensors") for m in (trunk_model, fork_model))
+    weight = bundle.unet.conv_in.weight.detach()
+    assert torch.allclose(weight, (a["conv_in.weight"] + b["conv_in.weight"]) / 2)
+
+
 @pytest.mark.parametrize(
     ("sync_every", "every", "kept"),
     [
