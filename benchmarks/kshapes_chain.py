@@ -138,6 +138,15 @@ class ChainConfig:
     ({shape: [椭圆形], background: [深绿色]}), over 4 seeds like for like: those cells 80 → 91 % (test),
     attribute captions all four 94.1 → 96.1 % (validation 94.3 → 95.2; BENCHMARKS.md, issue 18, "weak cells")."""
     unet_weak_cells_factor: int = 3
+    unet_soup: int = 1
+    """1: the knowledge U-Net is one draw. N ≥ 2: that run (the trunk, ``unet_on``) and N − 1 forks that
+    resume its checkpoint at ``unet_soup_fork_at`` of its steps with seeds of their own (their own data
+    order and noise, the same schedule to the same end), averaged into ``unet_soup``
+    (benchmarks/kshapes_soup.py), the folder then chosen, evaluated and shipped. On the shipped encoders,
+    3 trunks of 4 members each (BENCHMARKS.md, issue 18, "soups"): attribute captions all four 95.4 ± 2.4 %
+    for the 12 members, 98.4 ± 0.9 % for the 3 soups of 4. Costs the steps of N − 3/4 draws at fork_at 0.25
+    (the forks run side by side: 1.8× one draw's time on one H200)."""
+    unet_soup_fork_at: float = 0.25
     unet_architecture: dict[str, Any] | None = None
     """U-Net config keys to change in the kshapes preset (``{block_out_channels: [128, 256, 256]}``):
     the U-Nets train from a random init of that architecture (OUT/unet_architecture.json, given to the
@@ -246,17 +255,37 @@ class Chain:
                 check_weak(cfg.unet_weak_cells, cfg.unet_weak_cells_factor)
             except ValueError as err:
                 raise SystemExit(f"unet_weak_cells: {err}") from err
+        if cfg.unet_soup < 1 or not 0 < cfg.unet_soup_fork_at < 1:
+            raise SystemExit(
+                f"unet_soup: 1 (one draw) or more, unet_soup_fork_at: in (0, 1); got {cfg.unet_soup}, "
+                f"{cfg.unet_soup_fork_at}"
+            )
+        if cfg.unet_soup > 1 and cfg.unet_rounds == 2:
+            raise SystemExit("unet_soup > 1 averages round one's draws: set unet_rounds: 1")
         # the knowledge-on U-Net folder that is chosen, evaluated and shipped
-        self.unet_on = "unet_on_r2" if cfg.unet_rounds == 2 else "unet_on"
+        self.unet_on = (
+            "unet_on_r2" if cfg.unet_rounds == 2 else "unet_soup" if cfg.unet_soup > 1 else "unet_on"
+        )
 
     # ---- running commands -------------------------------------------------------------------
     def rapiddiff(self, *args: str) -> list[str]:
         return [self.python, "-m", "rapiddiff", *args]
 
     def run_parallel(self, jobs: dict[str, list[str]]) -> None:
-        """Start every job, wait for all; a failure names its log and stops the chain."""
-        procs = {}
-        for name, cmd in jobs.items():
+        """Start every job, wait for all; a failure names its log and stops the chain. A job that
+        resumes a checkpoint (``--ckpt_path=FILE``: a soup's fork) starts when FILE appears — written
+        atomically, so a present file is whole — and fails if every other job ended without it."""
+        waits = {
+            name: Path(arg.split("=", 1)[1])
+            for name, cmd in jobs.items()
+            for arg in cmd
+            if arg.startswith("--ckpt_path=")
+        }
+        procs: dict[str, tuple[subprocess.Popen, Any, float]] = {}
+        failed, pending = [], dict(jobs)
+
+        def start(name: str) -> None:
+            cmd = pending.pop(name)
             log = open(self.logs / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
             log.write(" ".join(cmd) + "\n\n")
             log.flush()
@@ -266,14 +295,27 @@ class Chain:
                 log,
                 time.time(),
             )
-        failed = []
-        for name, (proc, log, start) in procs.items():
-            code = proc.wait()
-            log.close()
-            self.timings[name] = round(time.time() - start, 1)
-            print(f"[chain] {name}: exit {code} after {self.timings[name]} s", flush=True)
-            if code != 0:
-                failed.append(name)
+
+        while pending or procs:
+            for name in [n for n in pending if n not in waits or waits[n].is_file()]:
+                start(name)
+            for name, (proc, log, begun) in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                log.close()
+                del procs[name]
+                self.timings[name] = round(time.time() - begun, 1)
+                print(f"[chain] {name}: exit {code} after {self.timings[name]} s", flush=True)
+                if code != 0:
+                    failed.append(name)
+            if pending and not procs and not any(waits[n].is_file() for n in pending):
+                for name in pending:  # what they wait for will not come
+                    (self.logs / f"{name}.log").write_text(f"never started: no {waits[name]}\n", "utf-8")
+                failed += list(pending)
+                pending.clear()
+            if pending or procs:
+                time.sleep(1)
         if failed:
             for name in failed:
                 print(f"----- tail of {self.logs / (name + '.log')}", flush=True)
@@ -389,10 +431,49 @@ class Chain:
                 for name, encoders, knowledge in batch
                 if not _done(self.out / name)
             }
+            if batch is first:
+                jobs.update(self.soup_jobs(jobs, data))
             if jobs:
                 self.run_parallel(jobs)
+        if self.cfg.unet_soup > 1 and not _done(self.out / "unet_soup"):
+            from kshapes_soup import average_folders
+
+            members = [self.out / "unet_on"] + [
+                self.out / f"unet_on_f{i}" for i in range(1, self.cfg.unet_soup)
+            ]
+            averaged = average_folders(members, self.out / "unet_soup")
+            print(f"[chain] unet_soup: the mean of {len(members)} members' {', '.join(averaged)}", flush=True)
+            if not averaged:  # e.g. a time limit that stopped every member at the fork's step
+                print("[chain] WARNING unet_soup: the members' weights are identical; did the forks train? "
+                      f"(see {self.logs / 'unet_on_f1.log'})", flush=True)  # fmt: skip
         self.assemble_builtin()  # both choose the guidance first (once: results/guidance.json)
         self.evaluate()
+
+    def soup_jobs(self, jobs: dict[str, list[str]], data: list[str]) -> dict[str, list[str]]:
+        """With ``unet_soup`` N ≥ 2: the forks ``unet_on_f1`` … (each resuming the trunk's checkpoint at
+        ``unet_soup_fork_at`` of the steps with seed ``seed + 1000 i``); the trunk's command in ``jobs``
+        gets that checkpoint, all of its checkpoints kept (a resumed chain's forks still find it)."""
+        if self.cfg.unet_soup < 2:
+            return {}
+        steps = 4 if self.smoke else self.cfg.unet.max_steps
+        fork_step = max(1, round(self.cfg.unet_soup_fork_at * steps))
+        if "unet_on" in jobs:
+            jobs["unet_on"] += [f"--checkpoint.every_n_train_steps={fork_step}", "--checkpoint.save_top_k=-1"]
+        ckpt = self.out / "runs" / "unet_on" / "checkpoints" / f"step={fork_step:07d}.ckpt"
+        forks = {}
+        for i in range(1, self.cfg.unet_soup):
+            name = f"unet_on_f{i}"
+            if _done(self.out / name):
+                continue
+            seed = self.cfg.seed + 1000 * i
+            own = [
+                f"--ckpt_path={ckpt}",
+                f"--seed_everything={seed}",
+                f"--data.seed={seed}",
+                f"--model.seed={seed}",
+            ]
+            forks[name] = [*self.unet_training(name, "clip_on", True, data), *own]  # the last value wins
+        return forks
 
     def unet_train_data(self) -> Path:
         """The U-Net stage's training data: the train folder, or with ``unet_weak_cells`` a table in it

@@ -9,6 +9,11 @@
 # Call 1 writes OUT/seed-S.tgz (kshapes_chain.py --pack) and OUT/vae_best.tgz (the recipe comparison's
 # winner, benchmarks/kshapes_vae_recipes.py, trained on seed 0's data beside the chain); call 2 reads
 # them from CARRIED. Files in OUT stay ≤ 8, each < 16 MiB (the device tool's limits).
+# With the U-Net as a soup of 4 draws (ChainConfig.unet_soup: 4, the config since 2026-11-28: 13,000
+# U-Net steps a seed), call 2 runs one seed at a time: SEEDS=0, SEEDS=1, SEEDS=2 over the same CARRIED,
+# each ~4.5 minutes of U-Nets on an H200 (unmeasured in the chain; the soups' own calls: 272 s), and the
+# 3-seed summary here: each call's results.tgz unpacked into one folder W (it holds tmp/ks/seed-S/results),
+# then `python -c "...; from kshapes_chain import summarise_seeds; summarise_seeds(Path('W/tmp/ks'), [0, 1, 2])"`.
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
 #   SET="unet_rounds=2" bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder

@@ -32,6 +32,18 @@ from safetensors.torch import load_file, save_file
 PROVENANCE = {"training_config.yaml"}  # the run's resolved config: a member's, not the soup's
 
 
+def same_config(files: list[Path]) -> bool:
+    """JSON files equal but for diffusers' ``_name_or_path`` (the folder each was loaded from)."""
+    try:
+        configs = [json.loads(f.read_text(encoding="utf-8")) for f in files]
+    except ValueError:
+        return False
+    if not all(isinstance(c, dict) for c in configs):
+        return False
+    stripped = [{k: v for k, v in c.items() if k != "_name_or_path"} for c in configs]
+    return all(c == stripped[0] for c in stripped[1:])
+
+
 def average_folders(members: list[Path], out: Path) -> list[str]:
     """Write the mean of ``members`` (model folders of one layout) to ``out``; return the averaged files."""
     if len(members) < 2:
@@ -54,6 +66,8 @@ def average_folders(members: list[Path], out: Path) -> list[str]:
         for rel in files:
             if all(filecmp.cmp(first / rel, m / rel, shallow=False) for m in members[1:]):
                 continue  # the same bytes in every member: already copied
+            if rel.suffix == ".json" and same_config([m / rel for m in members]):
+                continue  # differ only in where each member was loaded from (diffusers' _name_or_path)
             if rel.name in PROVENANCE:  # each member's own record; the soup records its members instead
                 (staging / rel).unlink()
                 dropped.append(str(rel))

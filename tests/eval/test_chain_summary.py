@@ -122,7 +122,7 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
     attribute = jobs["knowledge_attribute_unet-on"]
     assert arg(attribute, "--splits") == "attribute" and arg(attribute, "--modes") == "on,off"
     assert arg(attribute, "--kshapes") == str(tmp_path / "data") and arg(attribute, "--model").endswith(
-        "unet_on"
+        "unet_soup"  # the chain config's U-Net: the soup of its draws
     )
     jobs.clear()
     cfg.eval_attribute = cfg.eval_text_mode = False
@@ -189,7 +189,7 @@ def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_
 ):
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
     cfg.guidance_candidates = []
-    cfg.unet_rounds, cfg.train_off = 2, True
+    cfg.unet_rounds, cfg.train_off, cfg.unet_soup = 2, True, 1  # a second round: one draw a round
     run = chain.Chain(tmp_path, cfg, smoke=True)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "prompts.jsonl").write_text("", "utf-8")  # the data exists
@@ -332,7 +332,9 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
     } == {torch.float32}
 
     # the third call: round one counts as done, round two trains on the unpacked encoders
-    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", unet_rounds=2)
+    cfg = chain.load_config(
+        chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", unet_rounds=2, unet_soup=1
+    )
     cfg.unet_weak_cells = None  # the data folder here has no training lines to repeat
     run = chain.Chain(second, cfg, smoke=True)
     trained: list[str] = []
@@ -345,7 +347,9 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
 
 
 def test_one_guidance_candidate_is_used_unswept_and_set_overrides_the_config(chain, tmp_path, monkeypatch):
-    overrides = chain._parse_sets(["unet_rounds=2", "guidance_candidates=[3.0]", "eval_text_mode=false"])
+    overrides = chain._parse_sets(
+        ["unet_rounds=2", "unet_soup=1", "guidance_candidates=[3.0]", "eval_text_mode=false"]
+    )
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml", **overrides)
     assert (cfg.unet_rounds, cfg.guidance_candidates, cfg.eval_text_mode) == (2, [3.0], False)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
@@ -382,3 +386,82 @@ def test_the_chains_relation_keys_reach_the_knowledge_clip_only(chain, tmp_path,
         "--model.hard_negative_relations=[颜色]",
     ]
     assert not [a for a in jobs["clip_off"] if "relations=" in a]
+
+
+def test_a_soup_trains_forks_from_the_trunks_checkpoint_and_is_the_folder_evaluated(
+    chain, tmp_path, monkeypatch
+):
+    """unet_soup: 3 — the trunk keeps its checkpoint at unet_soup_fork_at of the steps, two forks resume
+    it with seeds of their own, and the mean of the three is what the chain evaluates and ships."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    cfg.guidance_candidates, cfg.unet_weak_cells, cfg.unet_soup, cfg.unet_soup_fork_at = [], None, 3, 0.5
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "data" / "prompts.jsonl").write_text("", "utf-8")
+    batches: list[dict[str, list[str]]] = []
+
+    def fake_parallel(batch):
+        batches.append(batch)
+        for i, name in enumerate(sorted(n for n in batch if n.startswith("unet_"))):
+            (tmp_path / name / "unet").mkdir(parents=True)
+            save_file({"w": torch.full((2,), float(i))}, str(tmp_path / name / "unet" / "w.safetensors"))
+
+    monkeypatch.setattr(run, "run_parallel", fake_parallel)
+    monkeypatch.setattr(run, "assemble_builtin", lambda: None)
+    run.unet_and_eval()
+
+    def args(cmd, flag):
+        return [a.split("=", 1)[1] for a in cmd if a.startswith(flag + "=")]
+
+    first = batches[0]
+    assert sorted(first) == ["unet_on", "unet_on_f1", "unet_on_f2"]
+    ckpt = str(tmp_path / "runs" / "unet_on" / "checkpoints" / "step=0000002.ckpt")  # 0.5 of 4 smoke steps
+    assert args(first["unet_on"], "--checkpoint.every_n_train_steps") == ["2"]
+    assert args(first["unet_on"], "--checkpoint.save_top_k") == ["-1"] and not args(
+        first["unet_on"], "--ckpt_path"
+    )
+    seeds = {name: args(cmd, "--model.seed")[-1] for name, cmd in first.items()}  # the last value wins
+    assert seeds == {"unet_on": "0", "unet_on_f1": "1000", "unet_on_f2": "2000"}
+    for fork in ("unet_on_f1", "unet_on_f2"):
+        assert args(first[fork], "--ckpt_path") == [ckpt]
+        assert args(first[fork], "--model.text_encoder") == [str(tmp_path / "clip_on")]
+    assert torch.all(load_file(tmp_path / "unet_soup" / "unet" / "w.safetensors")["w"] == 1.0)  # (0+1+2)/3
+    evaluated = {name: cmd[cmd.index("--model") + 1] for name, cmd in batches[1].items()}
+    assert set(evaluated.values()) == {str(tmp_path / "unet_soup")}
+    batches.clear()
+    run.unet_and_eval()  # resumed: the members and the soup are done, nothing trains or averages again
+    assert not any(name.startswith("unet_") for b in batches for name in b)
+    cfg.unet_soup_fork_at = 1.0
+    with pytest.raises(SystemExit, match="unet_soup_fork_at: in \\(0, 1\\)"):
+        chain.Chain(tmp_path / "x", cfg, smoke=True)
+    cfg.unet_soup_fork_at, cfg.unet_rounds = 0.25, 2
+    with pytest.raises(SystemExit, match="set unet_rounds: 1"):
+        chain.Chain(tmp_path / "y", cfg, smoke=True)
+
+
+def test_a_job_that_resumes_a_checkpoint_starts_when_it_appears(chain, tmp_path):
+    """run_parallel starts a fork once the trunk has written the checkpoint it names, and fails it
+    (naming why) when every other job ended without writing it."""
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    ckpt, started = tmp_path / "step.ckpt", tmp_path / "fork_started"
+    trunk = [
+        sys.executable,
+        "-c",
+        f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(ckpt)!r}).write_text('x')",
+    ]
+    fork = [
+        sys.executable,
+        "-c",
+        f"import pathlib, sys; pathlib.Path({str(started)!r}).write_text(str(pathlib.Path({str(ckpt)!r}).exists()))",
+        f"--ckpt_path={ckpt}",
+    ]
+    run.run_parallel({"trunk": trunk, "fork": fork})
+    assert started.read_text() == "True"  # it started after the file was there
+    ckpt.unlink()
+    with pytest.raises(SystemExit, match="failed: fork"):
+        run.run_parallel({"trunk": [sys.executable, "-c", "pass"], "fork": fork})
+    assert "never started: no" in (tmp_path / "logs" / "fork.log").read_text("utf-8")
