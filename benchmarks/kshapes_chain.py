@@ -144,8 +144,8 @@ class ChainConfig:
     order and noise, the same schedule to the same end), averaged into ``unet_soup``
     (benchmarks/kshapes_soup.py), the folder then chosen, evaluated and shipped. On the shipped encoders,
     3 trunks of 4 members each (BENCHMARKS.md, issue 18, "soups"): attribute captions all four 95.4 ± 2.4 %
-    for the 12 members, 98.4 ± 0.9 % for the 3 soups of 4. Costs the steps of N − 3/4 draws at fork_at 0.25
-    (the forks run side by side: 1.8× one draw's time on one H200)."""
+    for the 12 members, 98.4 ± 0.9 % for the 3 soups of 4. Costs the steps of N − 3/4 draws at fork_at 0.25;
+    side by side on one H200 the four of a soup trained in 272 s."""
     unet_soup_fork_at: float = 0.25
     unet_architecture: dict[str, Any] | None = None
     """U-Net config keys to change in the kshapes preset (``{block_out_channels: [128, 256, 256]}``):
