@@ -52,6 +52,16 @@ def test_the_mean_of_the_trained_weights_and_the_frozen_files_copied(soup, tmp_p
     assert not (tmp_path / "soup" / "training_config.yaml").exists()  # a member's record, not the soup's
 
 
+def test_configs_that_differ_only_in_where_they_were_loaded_from_are_the_same(soup, tmp_path: Path) -> None:
+    members = [_member(tmp_path, f"m{i}", float(i), torch.zeros(4)) for i in range(2)]
+    for i, member in enumerate(members):  # diffusers records the folder each config was loaded from
+        (member / "unet" / "config.json").write_text(
+            json.dumps({"_name_or_path": f"/runs/m{i}/unet", "sample_size": 16})
+        )
+    soup.average_folders(members, tmp_path / "soup")
+    assert json.loads((tmp_path / "soup" / "unet" / "config.json").read_text())["sample_size"] == 16
+
+
 def test_members_that_differ_outside_the_weights_are_refused(soup, tmp_path: Path) -> None:
     a, b = _member(tmp_path, "a", 1.0, torch.zeros(4)), _member(tmp_path, "b", 2.0, torch.zeros(4))
     (b / "unet" / "config.json").write_text('{"sample_size": 32}')
