@@ -327,7 +327,7 @@ class Chain:
     def training(self, stage: str, budget: StageBudget, output: Path, *overrides: str) -> list[str]:
         minutes = 0.3 if self.smoke else budget.minutes
         seconds = int(minutes * 60)
-        steps = 4 if self.smoke else budget.max_steps
+        steps = self.stage_steps(budget)
         precision = "bf16-mixed" if self.on_gpu else "32-true"
         return self.rapiddiff(
             "train", stage, "--config", str(ROOT / f"configs/{stage}/kshapes.yaml"),
@@ -341,6 +341,10 @@ class Chain:
             *self.seed_overrides(stage),
             *overrides,
         )  # fmt: skip
+
+    def stage_steps(self, budget: StageBudget) -> int:
+        """A training stage's max_steps (its cosine schedule's length): 4 in a smoke run."""
+        return 4 if self.smoke else budget.max_steps
 
     def seed_overrides(self, stage: str) -> list[str]:
         """The chain's seed for a Lightning stage: global RNGs, data order, and the module's own."""
@@ -438,9 +442,7 @@ class Chain:
         if self.cfg.unet_soup > 1 and not _done(self.out / "unet_soup"):
             from kshapes_soup import average_folders
 
-            members = [self.out / "unet_on"] + [
-                self.out / f"unet_on_f{i}" for i in range(1, self.cfg.unet_soup)
-            ]
+            members = [self.out / name for name in self.soup_members()]
             averaged = average_folders(members, self.out / "unet_soup")
             print(f"[chain] unet_soup: the mean of {len(members)} members' {', '.join(averaged)}", flush=True)
             if not averaged:  # e.g. a time limit that stopped every member at the fork's step
@@ -449,20 +451,22 @@ class Chain:
         self.assemble_builtin()  # both choose the guidance first (once: results/guidance.json)
         self.evaluate()
 
+    def soup_members(self) -> list[str]:
+        """The folders ``unet_soup`` averages: the trunk, then its forks."""
+        return ["unet_on"] + [f"unet_on_f{i}" for i in range(1, self.cfg.unet_soup)]
+
     def soup_jobs(self, jobs: dict[str, list[str]], data: list[str]) -> dict[str, list[str]]:
         """With ``unet_soup`` N ≥ 2: the forks ``unet_on_f1`` … (each resuming the trunk's checkpoint at
         ``unet_soup_fork_at`` of the steps with seed ``seed + 1000 i``); the trunk's command in ``jobs``
         gets that checkpoint, all of its checkpoints kept (a resumed chain's forks still find it)."""
         if self.cfg.unet_soup < 2:
             return {}
-        steps = 4 if self.smoke else self.cfg.unet.max_steps
-        fork_step = max(1, round(self.cfg.unet_soup_fork_at * steps))
+        fork_step = max(1, round(self.cfg.unet_soup_fork_at * self.stage_steps(self.cfg.unet)))
         if "unet_on" in jobs:
             jobs["unet_on"] += [f"--checkpoint.every_n_train_steps={fork_step}", "--checkpoint.save_top_k=-1"]
         ckpt = self.out / "runs" / "unet_on" / "checkpoints" / f"step={fork_step:07d}.ckpt"
         forks = {}
-        for i in range(1, self.cfg.unet_soup):
-            name = f"unet_on_f{i}"
+        for i, name in enumerate(self.soup_members()[1:], start=1):
             if _done(self.out / name):
                 continue
             seed = self.cfg.seed + 1000 * i

@@ -87,10 +87,7 @@ def average_folders(members: list[Path], out: Path) -> list[str]:
                         raise ValueError(f"{rel}: integer tensor {key} differs between the members")
                     mean[key] = tensor
                     continue
-                total = tensor.float().clone()
-                for other in others:
-                    total += other.float()
-                mean[key] = (total / len(members)).to(tensor.dtype)
+                mean[key] = torch.stack([t.float() for t in (tensor, *others)]).mean(0).to(tensor.dtype)
             save_file(mean, str(staging / rel), metadata={"format": "pt"})
             averaged.append(str(rel))
         record = {"members": [str(m) for m in members], "averaged": averaged, "dropped": dropped}

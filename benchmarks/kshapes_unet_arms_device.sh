@@ -108,7 +108,9 @@ PY
   # POST: bash run once the arms are assembled (kshapes_soup_device.sh averages them); the folders it
   # names in POST_MODELS ($work/NAME/builtin) are evaluated and kept like arms
   if [ -n "${POST:-}" ]; then ( eval "$POST" ) > $logs/post.log 2>&1 || tail -20 $logs/post.log; fi
-  for name in $(for spec in "${specs[@]}"; do echo "${spec%%:*}"; done) ${POST_MODELS:-}; do
+  names=(); for spec in "${specs[@]}"; do names+=("${spec%%:*}"); done
+  read -ra post_models <<< "${POST_MODELS:-}"; names+=("${post_models[@]}")  # the arms, then POST's folders
+  for name in "${names[@]}"; do
     # without the files every arm shares with the shipped model (the frozen VAE, its upscaler): the
     # eval call puts them back, so three arms and the wheels fit the 64 MiB carry
     [[ "${KEEP:-all}" == all || ",$KEEP," == *",$name,"* ]] || continue
@@ -122,7 +124,7 @@ PY
 fi
 if [ "$part" = all ]; then
   models=(); [ "${SHIPPED:-0}" = 1 ] && models=("shipped=$shipped")  # SHIPPED=1: the model in the tree beside the arms
-  for name in $(for spec in "${specs[@]}"; do echo "${spec%%:*}"; done) ${POST_MODELS:-}; do
+  for name in "${names[@]}"; do
     [ -d $work/"$name"/builtin ] && models+=("$name=$work/$name/builtin")
   done
 elif [ "$part" = eval ]; then
