@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 PROVENANCE = {"training_config.yaml"}  # the run's resolved config: a member's, not the soup's
@@ -42,6 +43,14 @@ def same_config(files: list[Path]) -> bool:
         return False
     stripped = [{k: v for k, v in c.items() if k != "_name_or_path"} for c in configs]
     return all(c == stripped[0] for c in stripped[1:])
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    """A member's weights; a file that is not safetensors is named, not a library traceback."""
+    try:
+        return load_file(path)
+    except SafetensorError as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from err
 
 
 def average_folders(members: list[Path], out: Path) -> list[str]:
@@ -76,7 +85,7 @@ def average_folders(members: list[Path], out: Path) -> list[str]:
                 raise ValueError(
                     f"{rel} differs between the members and is not weights: not one warm start's draws"
                 )
-            states = [load_file(m / rel) for m in members]
+            states = [_load(m / rel) for m in members]
             mean = {}
             for key, tensor in states[0].items():
                 others = [s.get(key) for s in states[1:]]

@@ -71,3 +71,13 @@ def test_members_that_differ_outside_the_weights_are_refused(soup, tmp_path: Pat
     (b / "unet" / "extra.txt").write_text("x")
     with pytest.raises(ValueError, match=r"different files: unet/extra\.txt"):
         soup.average_folders([a, b], tmp_path / "soup2")
+
+
+def test_a_corrupt_weights_file_is_named_and_nothing_is_left_behind(soup, tmp_path: Path) -> None:
+    a, b = _member(tmp_path, "a", 1.0, torch.zeros(4)), _member(tmp_path, "b", 2.0, torch.zeros(4))
+    (b / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(
+        ValueError, match=r"b/unet/diffusion_pytorch_model\.safetensors: not a readable safetensors"
+    ):
+        soup.average_folders([a, b], tmp_path / "soup")
+    assert not (tmp_path / "soup").exists() and not (tmp_path / "soup.partial").exists()
