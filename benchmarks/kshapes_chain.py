@@ -168,10 +168,12 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs/kshapes/chain.yaml")
     parser.add_argument(
         "--part",
-        choices=["all", "prep", "unet", "pack"],
+        choices=["all", "prep", "unet", "pack", "summary"],
         default="all",
         help="pack: no training, only --pack of what exists (between two U-Net rounds: the packed "
-        "unet_on is round one's encoders, what round two trains on)",
+        "unet_on is round one's encoders, what round two trains on); summary (with --seeds): no "
+        "training, OUT/summary.{md,json} of the OUT/seed-S folders there (seeds run in separate calls, "
+        "their results unpacked into one OUT)",
     )
     parser.add_argument(
         "--set",
@@ -207,6 +209,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.part == "pack" and not args.pack:
         parser.error("--part pack needs --pack DIR")
+    if args.part == "summary" and not args.seeds:
+        parser.error("--part summary needs --seeds, e.g. --seeds 0,1,2")
     if args.seeds:
         return run_seeds(args)
     overrides = {k: v for k, v in (("seed", args.seed), ("workers", args.workers)) if v is not None}
@@ -892,6 +896,8 @@ def run_seeds(args: argparse.Namespace) -> int:
     if len(set(seeds)) != len(seeds) or not seeds:
         raise SystemExit(f"--seeds {args.seeds!r}: give distinct integers, e.g. 0,1,2")
     out = args.out.resolve()
+    if args.part == "summary":
+        return summarise_only(out, seeds)
     out.mkdir(parents=True, exist_ok=True)
     gpus = [g for g in args.gpus.split(",") if g] if args.gpus else _visible_gpus()
     per_gpu = -(-len(seeds) // max(1, len(gpus)))  # chains sharing one GPU (and its share of the CPUs)
@@ -932,6 +938,17 @@ def run_seeds(args: argparse.Namespace) -> int:
     if failed:
         print(f"[seeds] failed: {failed}; see {out}/seed-S.log", flush=True)
         return 1
+    return 0 if summary else 1
+
+
+def summarise_only(out: Path, seeds: list[int]) -> int:
+    """``--part summary``: the summary of seeds trained in separate calls (one U-Net soup a device
+    call), each call's OUT/seed-S unpacked into one OUT; a seed without a folder is named, not skipped."""
+    missing = [s for s in seeds if not (out / f"seed-{s}" / "results").is_dir()]
+    if missing:
+        raise SystemExit(f"--part summary: no {out}/seed-S/results for seeds {missing}")
+    summary = summarise_seeds(out, seeds)
+    print((out / "summary.md").read_text("utf-8"), flush=True)
     return 0 if summary else 1
 
 

@@ -10,10 +10,14 @@
 # winner, benchmarks/kshapes_vae_recipes.py, trained on seed 0's data beside the chain); call 2 reads
 # them from CARRIED. Files in OUT stay ≤ 8, each < 16 MiB (the device tool's limits).
 # With the U-Net as a soup of 4 draws (ChainConfig.unet_soup: 4, the config since 2026-11-28: 13,000
-# U-Net steps a seed), call 2 runs one seed at a time: SEEDS=0, SEEDS=1, SEEDS=2 over the same CARRIED,
-# each ~4.5 minutes of U-Nets on an H200 (unmeasured in the chain; the soups' own calls: 272 s), and the
-# 3-seed summary here: each call's results.tgz unpacked into one folder W (it holds tmp/ks/seed-S/results),
-# then `python -c "...; from kshapes_chain import summarise_seeds; summarise_seeds(Path('W/tmp/ks'), [0, 1, 2])"`.
+# U-Net steps a seed), call 2 runs one seed at a time: SEEDS=0, SEEDS=1, SEEDS=2 over the same CARRIED.
+# Measured on an H200 (2026-11-29): prep 532 s; each seed's call 380–390 s with
+# SET='guidance_candidates=[3.0] eval_robust=false eval_text_mode=false' (data 40 s, the four U-Nets
+# 217–226 s, evaluation 68 s): the four calls took 1,759 s of the session's 1,800. The 3-seed summary
+# here: each call's results.tgz unpacked into one folder W (it holds tmp/ks/seed-S/results), then
+# `python benchmarks/kshapes_chain.py --out W/tmp/ks --seeds 0,1,2 --part summary`. The prep's packs can
+# serve a later session's U-Net calls (keep OUT/seed-S.tgz and vae_best.tgz), which leaves the device
+# time for the guidance sweep the trimmed calls skip.
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
 #   SET="unet_rounds=2" bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder
@@ -92,8 +96,7 @@ else
   fi
   wait $chain
   if [ ! -f $work/summary.json ]; then  # cut by the time limit: summarise the evaluations that finished
-    python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from kshapes_chain import summarise_seeds; \
-summarise_seeds(Path('$work'), [int(s) for s in '$seeds'.split(',')])" \
+    python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part summary > /dev/null \
       && echo "the chain was cut by the time limit: summary.md has only the evaluations that finished" | tee -a "$out/NOTE.txt"
   fi
   cp $work/summary.md $work/summary.json "$out/" 2>/dev/null

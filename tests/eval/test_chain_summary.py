@@ -87,6 +87,28 @@ def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_
     assert summary["selection"]["best_seed"] == 1 and summary["selection"]["knowledge_mode"] == "embed"
 
 
+def test_part_summary_joins_seeds_run_in_separate_calls_and_names_a_missing_one(
+    chain, tmp_path, monkeypatch, capsys
+):
+    """With a soup a seed, each seed's U-Net part is its own device call; --part summary takes their
+    folders, unpacked into one OUT, without training, and stops naming a seed that has no results."""
+    _seed(tmp_path, 0, text=2.0, both=40.0, embed=30.0, attribute_all=20.0)
+    _seed(tmp_path, 2, text=50.0, both=25.0, embed=45.0, attribute_all=30.0)
+    argv = ["kshapes_chain.py", "--out", str(tmp_path), "--part", "summary", "--seeds"]
+    monkeypatch.setattr(sys, "argv", [*argv, "0,2"])
+    assert chain.main() == 0
+    summary = json.loads((tmp_path / "summary.json").read_text("utf-8"))
+    assert summary["measures"]["U-Net on | attribute | knowledge on | all %"]["mean"] == 25.0
+    assert "seeds 0, 2" in capsys.readouterr().out
+    assert not (tmp_path / "seed-0.log").exists()  # nothing was started
+    monkeypatch.setattr(sys, "argv", [*argv, "0,1,2"])
+    with pytest.raises(SystemExit, match=r"seeds \[1\]"):
+        chain.main()
+    monkeypatch.setattr(sys, "argv", argv[:-1])
+    with pytest.raises(SystemExit):  # argparse: --part summary needs --seeds
+        chain.main()
+
+
 def test_the_seed_and_its_knowledge_mode_are_chosen_together_on_validation(chain, tmp_path):
     """The shipped mode's validation score picks the seed: seed 0 is best in mode "both" (40 against
     seed 1's 35) though seed 1 is best on the vectors alone (31 against 30); a tie prefers "embed"."""
