@@ -544,6 +544,8 @@ class Chain:
         steps = "4" if self.smoke else str(self.cfg.eval_steps)
         per_prompt = "1" if self.smoke else str(self.cfg.eval_images_per_prompt)
         runs = {g: self.results / "guidance" / f"g{g:g}" for g in self.cfg.guidance_candidates}
+        # The attribute captions spell no KG facts: their mode-"both" images are mode "on"'s, linked
+        # in rather than drawn again (eval knowledge's conditioning_keys), so the sweep draws them once.
         splits = "val,attribute_val" if self.cfg.eval_attribute else "val"
         jobs = {}
         for g, run in runs.items():

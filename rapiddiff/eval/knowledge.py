@@ -23,7 +23,9 @@ of generated | re-render pairs is written to ``RUN/render_consistency.png``.
 
 Layout: ``RUN/knowledge_on/`` and ``RUN/knowledge_off/`` are ordinary eval runs (images,
 index.jsonl, detections.jsonl); ``RUN/metrics/knowledge.json`` and ``RUN/knowledge.md`` hold the
-tables. Generation is batched and resumable like ``eval sample``.
+tables. Generation is batched and resumable like ``eval sample``. An image that an earlier mode of
+the run drew under the same conditioning (a caption with no KG facts to spell in reads the same in
+"both" as in "on", in "text" as in "off": :func:`conditioning_keys`) is linked in, not drawn again.
 """
 
 from __future__ import annotations
@@ -455,13 +457,23 @@ def evaluate_knowledge(
     records: dict[str, list[dict[str, Any]]] = {}
     run_dirs: dict[str, Path] = {}
     timings = {}
+    drawn: dict[tuple[str, Any], Path] = {}  # (job file, conditioning) → the image an earlier mode drew
     for mode in modes:
         run_dir = out / f"knowledge_{mode}"
         mode_settings = replace(settings, knowledge=MODES[mode])
+        keys = conditioning_keys(pipe, mode, jobs, settings.negative_prompt)
+        reuse = {}
+        if keys is not None:
+            for job, key in zip(jobs, keys, strict=True):
+                if (job.file, key) in drawn:
+                    reuse[job.file] = drawn[job.file, key]
+                else:
+                    drawn[job.file, key] = run_dir / job.file
         with _knowledge_mode(pipe, mode):
             timings[mode] = generate(
-                pipe, jobs, run_dir, mode_settings, batch_size=batch_size, overwrite=overwrite, info=info
-            )
+                pipe, jobs, run_dir, mode_settings, batch_size=batch_size, overwrite=overwrite, info=info,
+                reuse=reuse,
+            )  # fmt: skip
         records[mode] = score_run(run_dir, detect, workers=workers)
         run_dirs[mode] = run_dir
     from rapiddiff.eval.consistency import SSIM, write_grid
@@ -514,6 +526,25 @@ def evaluate_knowledge(
     write_json(out / METRICS_DIR / "knowledge.json", record)
     (out / "knowledge.md").write_text(knowledge_markdown(record) + "\n", encoding="utf-8")
     return record
+
+
+def conditioning_keys(
+    pipe: Any, mode: str, jobs: Sequence[Any], negative_prompt: str | None = None
+) -> list[tuple[str, str, bool]] | None:
+    """What each job's image is conditioned on in ``mode``: the prompt and negative prompt as the
+    tower reads them (KG facts spelled in for "text" / "both") and whether fused vectors enter.
+    Two modes with the same key for a job draw the same image from the same seed (an attribute
+    caption names no entity with colour or shape facts: "both" reads it as "on" in mode embed,
+    "text" as "off"), so :func:`evaluate_knowledge` draws it once. None: a text encoder without
+    knowledge modes, where nothing is shared."""
+    encoder = getattr(pipe, "text_encoder", None)
+    if not hasattr(encoder, "knowledge_as") or not hasattr(encoder, "expand"):
+        return None
+    with encoder.knowledge_as({"on": True, "off": False}.get(mode, mode)):
+        prompts = encoder.expand([job.prompt for job in jobs])
+        negative = encoder.expand([negative_prompt or ""])[0]
+        fused = bool(encoder.has_knowledge)
+    return [(prompt, negative, fused) for prompt in prompts]
 
 
 def _knowledge_mode(pipe: Any, mode: str) -> Any:

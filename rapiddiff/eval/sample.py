@@ -174,6 +174,20 @@ def _existing_matches(path: Path, job: Job) -> bool:
     return True
 
 
+def _link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a hard link to ``source`` (no second copy on disk), a copy across file systems."""
+    import os
+    import shutil
+
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: the image to reuse is not there")
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
 def check_settings(run_dir: Path, settings: SampleSettings, overwrite: bool) -> None:
     """Refuse to resume a run made with other settings (unless ``overwrite``)."""
     import json
@@ -200,11 +214,15 @@ def generate(
     batch_size: int = 8,
     overwrite: bool = False,
     info: dict[str, Any] | None = None,
+    reuse: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
     """Make every job's image that is not there yet; write ``index.jsonl`` and ``sample.json``.
 
     ``pipe`` follows RapidDiffusionPipeline's call contract (prompts, seeds as a list, settings
-    as keywords; ``.images`` of PIL images). Returns counts and timings.
+    as keywords; ``.images`` of PIL images). ``reuse`` maps a job's file to an image another run
+    drew under the same conditioning and seed: it is linked in (copied where links fail) instead
+    of drawn (``eval knowledge`` draws mode "both" of a caption with no KG facts once, as "on").
+    Returns counts and timings.
     """
     from tqdm.auto import tqdm
 
@@ -213,11 +231,23 @@ def generate(
     run_dir = Path(run_dir)
     check_settings(run_dir, settings, overwrite)
     (run_dir / IMAGES_DIR).mkdir(parents=True, exist_ok=True)
-    todo = [job for job in jobs if overwrite or not _existing_matches(run_dir / job.file, job)]
+    reuse = reuse or {}
+    for job in jobs:
+        if job.file in reuse and (overwrite or not _existing_matches(run_dir / job.file, job)):
+            _link_or_copy(Path(reuse[job.file]), run_dir / job.file)
+    todo = [
+        job
+        for job in jobs
+        if job.file not in reuse and (overwrite or not _existing_matches(run_dir / job.file, job))
+    ]
     info = dict(info or {})
     sample_info = {"settings": asdict(settings), **info, "num_images": len(jobs)}
     write_json(run_dir / SAMPLE_INFO, sample_info)  # first: a crash mid-run still records the settings
-    log.info("%d images planned, %d already there, %d to make", len(jobs), len(jobs) - len(todo), len(todo))
+    reused = sum(job.file in reuse for job in jobs)
+    log.info(
+        "%d images planned, %d already there, %d reused from another run, %d to make",
+        len(jobs), len(jobs) - len(todo) - reused, reused, len(todo),
+    )  # fmt: skip
 
     started = time.perf_counter()
     kwargs = settings.call_kwargs()
@@ -260,7 +290,8 @@ def generate(
     write_jsonl(run_dir / INDEX_NAME, (job.record() for job in jobs))
     stats = {
         "generated": len(todo),
-        "skipped_existing": len(jobs) - len(todo),
+        "skipped_existing": len(jobs) - len(todo) - reused,
+        "reused": reused,
         "seconds": round(seconds, 3),
         "images_per_second": round(len(todo) / seconds, 4) if todo and seconds > 0 else None,
         "batch_size": batch_size,

@@ -438,3 +438,47 @@ def test_attribute_misses_are_placed_by_background_and_shape_and_the_splits_kept
     table = per_entity({"on": test + val})
     assert table["attribute/红色的椭圆形"]["on"]["both"] == 0.625
     assert table["attribute_val/红色的椭圆形"]["on"]["both"] == 1.0
+
+
+def test_a_mode_that_conditions_like_an_earlier_one_reuses_its_images(tmp_path, knowledge_model):
+    """A prompt whose entities have no colour / shape facts reads the same in "both" as in "on"
+    (embed) and in "text" as in "off": those images are drawn once and linked in, the one prompt
+    that expands is drawn in every mode; and drawing "both" for such a prompt gives "on"'s image."""
+    import numpy as np
+
+    from rapiddiff.data.kshapes import ENTITIES
+    from rapiddiff.eval.sample import load_pipeline
+
+    pipe = load_pipeline(knowledge_model, device="cpu", dtype="float32")
+    facts, bare = ENTITIES[0].name, ENTITIES[1].name  # the fixture's store: facts for the first only
+    fields = {"colour": "红色", "shape": "圆形", "split": "seen"}
+    prompts = [
+        {"text": f"浅蓝色背景上有一个{facts}", "entity": facts, **fields},
+        {"text": f"浅蓝色背景上有一个{bare}", "entity": bare, **fields},
+        {"text": "浅蓝色背景上有一个红色的圆形", "entity": "红色", **fields},
+    ]
+    assert pipe.text_encoder.expand([prompts[0]["text"]]) == [prompts[0]["text"]]  # mode embed: as written
+    with pipe.text_encoder.knowledge_as("both"):
+        expanded = [pipe.text_encoder.expand([p["text"]])[0] != p["text"] for p in prompts]
+    assert expanded == [True, False, False]
+    settings = SampleSettings(model="m", steps=2, guidance=3.0)
+    record = evaluate_knowledge(
+        pipe, prompts, tmp_path / "run", settings, modes=("on", "both", "text", "off"), detect=lambda im: {}
+    )
+    made = {m: (t["generated"], t["reused"]) for m, t in record["details"]["timings"].items()}
+    assert made == {"on": (3, 0), "both": (1, 2), "text": (3, 0), "off": (1, 2)}
+    run = tmp_path / "run"
+    name = sorted(p.name for p in (run / "knowledge_on" / "images").glob("*.png"))[1]  # the bare entity's
+    assert (run / "knowledge_both" / "images" / name).samefile(run / "knowledge_on" / "images" / name)
+    assert (run / "knowledge_off" / "images" / name).samefile(run / "knowledge_text" / "images" / name)
+    # What the reuse assumes, drawn: "both" on a prompt it does not expand is "on"'s image.
+    kw = dict(seed=[1], num_inference_steps=2, guidance_scale=3.0, progress=False)
+    with pipe.text_encoder.knowledge_as("both"):
+        drawn = np.asarray(pipe([prompts[1]["text"]], **kw).images[0], float)
+    on = np.asarray(Image.open(run / "knowledge_on" / "images" / name), float)
+    np.testing.assert_allclose(drawn, on, atol=1)
+    # A rerun resumes: nothing is drawn again, the links stay.
+    again = evaluate_knowledge(
+        pipe, prompts, tmp_path / "run", settings, modes=("on", "both", "text", "off"), detect=lambda im: {}
+    )
+    assert {m: t["generated"] for m, t in again["details"]["timings"].items()} == dict.fromkeys(made, 0)
