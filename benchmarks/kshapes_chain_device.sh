@@ -18,6 +18,12 @@
 # `python benchmarks/kshapes_chain.py --out W/tmp/ks --seeds 0,1,2 --part summary`. The prep's packs can
 # serve a later session's U-Net calls (keep OUT/seed-S.tgz and vae_best.tgz), which leaves the device
 # time for the guidance sweep the trimmed calls skip.
+# The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
+# ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
+# seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,
+# each call's data loaders within its 32 cores) and SEEDS=2 the third: three calls, ~1,450 s (estimated
+# from the H200 timings above, not yet run). The VAE for VAE_REUSE: `tar czf V/vae_best.tgz -C
+# rapiddiff/assets/model vae` (the built-in folder's, as on 2026-11-29).
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
 #   SET="unet_rounds=2" bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder
