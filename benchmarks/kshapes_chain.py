@@ -413,14 +413,18 @@ class Chain:
         lists = self.entity_lists()
         jobs = {}
         for train in ("on", "off") if self.cfg.train_off else ("on",):
-            for test in ("on", "off") if train == "on" else ("off",):
-                for split, path in lists.items():
-                    target = self.results / f"recall_clip-{train}_test-{test}_{split}.json"
-                    if not target.exists():
-                        jobs[target.stem] = self.rapiddiff(
-                            "eval", "recall", "--model", str(self.out / f"clip_{train}"), "--data", str(self.data / "test"),
-                            "--knowledge", test, "--filter-entities", str(path), "--out", str(target),
-                        )  # fmt: skip
+            tests = ("on", "off") if train == "on" else ("off",)
+            # {knowledge} and {entities}: eval recall fills them in
+            out = self.results / f"recall_clip-{train}_test-{{knowledge}}_{{entities}}.json"
+            targets = [self.results / f"recall_clip-{train}_test-{t}_{s}.json" for t in tests for s in lists]
+            if not all(t.exists() for t in targets):
+                # One process a CLIP folder, its test images encoded once for every list and setting:
+                # six processes a seed, each importing torch and encoding the same images, took ~110 s
+                # of the prep on an H100 (2026-11-24, BENCHMARKS.md).
+                jobs[f"recall_clip-{train}"] = self.rapiddiff(
+                    "eval", "recall", "--model", str(self.out / f"clip_{train}"), "--data", str(self.data / "test"),
+                    "--knowledge", ",".join(tests), "--filter-entities", *map(str, lists.values()), "--out", str(out),
+                )  # fmt: skip
         jobs.update(self.vae_recon())
         if jobs:
             self.run_parallel(jobs)
@@ -664,7 +668,8 @@ class Chain:
         seen = [n for n in names if n not in {*held, *validation}]
         lists = {}
         for split, members in (("seen", seen), ("heldout", held), ("val", validation)):
-            path = self.results / f"{split}_entities.txt"
+            path = self.results / "entities" / f"{split}.txt"  # its name names the recall figures
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(f"{n}\n" for n in members), "utf-8")
             lists[split] = path
         return lists

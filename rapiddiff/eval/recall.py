@@ -135,18 +135,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="image–caption data: imagefolder with metadata.jsonl, or CSV/TSV/JSONL/parquet",
     )
-    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--out",
+        help="write the figures as JSON here; with several --knowledge settings or --filter-entities files, "
+        "a path with {knowledge} and {entities} in it (on/off; each file's name without .txt), "
+        "e.g. results/recall_test-{knowledge}_{entities}.json",
+    )
     parser.add_argument(
         "--knowledge",
-        choices=("on", "off"),
         default="on",
-        help="knowledge fusion on, or off for the ablation",
+        help="knowledge fusion on, off for the ablation, or on,off for both from one encoding of the images",
     )
     parser.add_argument(
         "--filter-entities",
         type=Path,
+        nargs="+",
         metavar="FILE",
-        help="score only captions that mention one of these entities (one name a line), e.g. heldout_entities.txt",
+        help="score only captions that mention one of these entities (one name a line), e.g. "
+        "heldout_entities.txt; several files: one evaluation each, the images encoded once",
     )
     parser.add_argument(
         "--ground-truth",
@@ -166,26 +172,50 @@ def run(args: argparse.Namespace) -> int:
     from rapiddiff.utils.device import resolve_device
     from rapiddiff.utils.io import atomic_write_text, read_text_lines
 
-    device = resolve_device(args.device)
-    names: list[str] | None = None
-    if args.filter_entities is not None:
-        if not args.filter_entities.is_file():
-            raise FileNotFoundError(f"--filter-entities: file not found: {args.filter_entities}")
-        names = [ln.strip() for _, ln in read_text_lines(args.filter_entities, what="--filter-entities")]
-        if not names:
-            raise ValueError(f"{args.filter_entities}: no entity names in it")
-    report = evaluate_folder(
+    settings = [k.strip() for k in args.knowledge.split(",") if k.strip()]
+    if not settings or any(k not in ("on", "off") for k in settings) or len(set(settings)) < len(settings):
+        raise ValueError(f"--knowledge {args.knowledge!r}: give on, off or on,off")
+    lists: dict[str, list[str] | None] = {"": None}
+    if args.filter_entities:
+        lists = {}
+        for path in args.filter_entities:
+            if not path.is_file():
+                raise FileNotFoundError(f"--filter-entities: file not found: {path}")
+            names = [ln.strip() for _, ln in read_text_lines(path, what="--filter-entities")]
+            if not names:
+                raise ValueError(f"{path}: no entity names in it")
+            if path.stem in lists:
+                raise ValueError(
+                    f"--filter-entities: two files named {path.stem!r}; their figures would collide"
+                )
+            lists[path.stem] = names
+    several = len(settings) * len(lists) > 1
+    if several and args.out is not None:
+        needed = [
+            f"{{{key}}}" for key, n in (("knowledge", len(settings)), ("entities", len(lists))) if n > 1
+        ]
+        missing = [key for key in needed if key not in args.out]
+        if missing:
+            raise ValueError(
+                f"--out {args.out!r}: {len(settings) * len(lists)} evaluations need {' and '.join(missing)} "
+                "in the path, e.g. results/recall_test-{knowledge}_{entities}.json"
+            )
+    reports = evaluate_folder_grid(
         args.model,
         args.data,
-        device=device,
-        knowledge=args.knowledge == "on",
-        entities=names,
+        device=resolve_device(args.device),
+        knowledge=[k == "on" for k in settings],
+        entity_lists=lists,
         batch_size=args.batch_size,
         ground_truth=args.ground_truth,
     )
-    print(format_table(report))
-    if args.out is not None:
-        atomic_write_text(args.out, json.dumps(report, ensure_ascii=False, indent=2) + "\n")
+    for (knowledge, name), report in reports.items():
+        if several:
+            print(f"\nknowledge {'on' if knowledge else 'off'}" + (f", entities {name}" if name else ""))
+        print(format_table(report))
+        if args.out is not None:
+            out = args.out.replace("{knowledge}", "on" if knowledge else "off").replace("{entities}", name)
+            atomic_write_text(Path(out), json.dumps(report, ensure_ascii=False, indent=2) + "\n")
     return 0
 
 
@@ -200,14 +230,34 @@ def evaluate_folder(
     ground_truth: str = "pairs",
 ) -> dict[str, Any]:
     """Load a KnowledgeCLIP and a dataset, encode both, and return :func:`retrieval_report`'s dict."""
+    reports = evaluate_folder_grid(
+        model_dir, data, device=device, knowledge=[knowledge], entity_lists={"": entities},
+        batch_size=batch_size, ground_truth=ground_truth,
+    )  # fmt: skip
+    return reports[knowledge, ""]
+
+
+def evaluate_folder_grid(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    device: Any = "cpu",
+    knowledge: Sequence[bool] = (True,),
+    entity_lists: dict[str, Sequence[str] | None] | None = None,
+    batch_size: int = 128,
+    ground_truth: str = "pairs",
+) -> dict[tuple[bool, str], dict[str, Any]]:
+    """:func:`evaluate_folder` for each knowledge setting × entity list (name → names; None: every
+    caption), keyed (knowledge, name): the model loaded and the images encoded once, the captions
+    once per knowledge setting (the images do not depend on it)."""
     import torch
     from tqdm import tqdm
 
     from rapiddiff.data.loader import ImageTextDataset
     from rapiddiff.models.clip import KnowledgeCLIP
 
+    entity_lists = {"": None} if entity_lists is None else entity_lists
     model = KnowledgeCLIP.from_pretrained(model_dir).to(device).eval()
-    model.text_encoder.knowledge = knowledge
     dataset = ImageTextDataset(str(data), image_size=model.image_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=_collate)
     image_features, captions, rows = [], [], []
@@ -216,18 +266,11 @@ def evaluate_folder(
             image_features.append(model.encode_image(batch["pixel_values"].to(device)).cpu())
             captions.extend(batch["text"])
             rows.extend(batch["index"])
-        if not captions:
-            raise ValueError(f"{data}: no usable image–caption pairs")
-        # Identical captions share one encoding but stay separate queries (one per row).
-        unique = list(dict.fromkeys(captions))
-        text_id = {c: i for i, c in enumerate(unique)}
-        unique_features = torch.cat(
-            [
-                model.encode_text(unique[i : i + batch_size]).cpu()
-                for i in tqdm(range(0, len(unique), batch_size), desc="texts", unit="batch")
-            ]
-        )
-    text_features = unique_features[[text_id[c] for c in captions]]  # (T, D), one per row
+    if not captions:
+        raise ValueError(f"{data}: no usable image–caption pairs")
+    # Identical captions share one encoding but stay separate queries (one per row).
+    unique = list(dict.fromkeys(captions))
+    text_id = {c: i for i, c in enumerate(unique)}
     # The gallery holds each distinct image once (the same file captioned twice is one image).
     image_of_row, first_row = _distinct_images(dataset, rows)
     features = torch.cat(image_features)[first_row]  # (I, D)
@@ -236,26 +279,40 @@ def evaluate_folder(
         matches = _attribute_matches(Path(data), unique, captions, rows)
         for k, caption in enumerate(captions):
             images_of_text[k] |= {image_of_row[i] for i in matches[text_id[caption]]}
-    queries = None
-    if entities is not None:
+    tagged = _caption_entities(Path(data)) if any(v is not None for v in entity_lists.values()) else {}
+    queries_of: dict[str, list[int] | None] = {}
+    for name, entities in entity_lists.items():
+        if entities is None:
+            queries_of[name] = None
+            continue
         wanted = set(entities)
-        tagged = _caption_entities(Path(data))
-        queries = [
-            k
-            for k, c in enumerate(captions)
-            if tagged.get(c) in wanted or any(name in c for name in entities)
+        queries_of[name] = [
+            k for k, c in enumerate(captions) if tagged.get(c) in wanted or any(n in c for n in entities)
         ]
-        if not queries:
+        if not queries_of[name]:
             raise ValueError(f"no caption in {data} mentions any of the {len(entities)} given entities")
-    report = retrieval_report(text_features, features, images_of_text, query_texts=queries)
-    report.update(
-        model=str(model_dir),
-        data=str(data),
-        knowledge=knowledge,
-        entities=list(entities or []),
-        ground_truth=ground_truth,
-    )
-    return report
+    reports: dict[tuple[bool, str], dict[str, Any]] = {}
+    for setting in knowledge:
+        model.text_encoder.knowledge = setting
+        with torch.no_grad():
+            unique_features = torch.cat(
+                [
+                    model.encode_text(unique[i : i + batch_size]).cpu()
+                    for i in tqdm(range(0, len(unique), batch_size), desc="texts", unit="batch")
+                ]
+            )
+        text_features = unique_features[[text_id[c] for c in captions]]  # (T, D), one per row
+        for name, entities in entity_lists.items():
+            report = retrieval_report(text_features, features, images_of_text, query_texts=queries_of[name])
+            report.update(
+                model=str(model_dir),
+                data=str(data),
+                knowledge=setting,
+                entities=list(entities or []),
+                ground_truth=ground_truth,
+            )
+            reports[setting, name] = report
+    return reports
 
 
 def _caption_entities(data: Path) -> dict[str, str]:

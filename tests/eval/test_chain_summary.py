@@ -487,3 +487,34 @@ def test_a_job_that_resumes_a_checkpoint_starts_when_it_appears(chain, tmp_path)
     with pytest.raises(SystemExit, match="failed: fork"):
         run.run_parallel({"trunk": [sys.executable, "-c", "pass"], "fork": fork})
     assert "never started: no" in (tmp_path / "logs" / "fork.log").read_text("utf-8")
+
+
+def test_the_chain_scores_recall_in_one_process_a_clip_folder(chain, tmp_path, monkeypatch):
+    """prep's recall: one `eval recall` a CLIP folder for every entity list and knowledge setting (the
+    test images encoded once), its --out naming the files the summary reads; nothing when they exist."""
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    run.data.mkdir(parents=True)
+    (run.data / "heldout_entities.txt").write_text("草莓\n", "utf-8")
+    (run.data / "validation_entities.txt").write_text("黄瓜\n", "utf-8")
+    (run.data / "entities.json").write_text('["草莓", "黄瓜", "番茄"]', "utf-8")
+    jobs: dict[str, list[str]] = {}
+    monkeypatch.setattr(run, "run_parallel", lambda batch: jobs.update(batch))
+    run.recall()
+    assert list(jobs) == ["recall_clip-on"]
+    cmd = jobs["recall_clip-on"]
+    lists = cmd[cmd.index("--filter-entities") + 1 : cmd.index("--out")]
+    assert [Path(p).stem for p in lists] == ["seen", "heldout", "val"]
+    assert Path(lists[0]).read_text("utf-8") == "番茄\n"
+    assert cmd[cmd.index("--knowledge") + 1] == "on,off"
+    template = cmd[cmd.index("--out") + 1]
+    for knowledge in ("on", "off"):
+        for split in ("seen", "heldout", "val"):
+            name = template.replace("{knowledge}", knowledge).replace("{entities}", split)
+            Path(name).write_text("{}", "utf-8")
+    assert (
+        sorted(p.name for p in run.results.glob("recall_*.json"))[0] == "recall_clip-on_test-off_heldout.json"
+    )
+    jobs.clear()
+    run.recall()
+    assert jobs == {}

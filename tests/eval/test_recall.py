@@ -192,3 +192,46 @@ def test_eval_recall_keeps_repeated_captions_as_queries_and_shared_images_as_one
     assert report["gallery"] == {"images": 8, "texts": 9}  # 001.png listed twice is one image
     assert report["num_image_queries"] == 8
     assert report["text_queries_without_ground_truth"] == 0
+
+
+def test_eval_recall_grid_equals_one_evaluation_at_a_time(tmp_path, capsys):
+    """--knowledge on,off with several --filter-entities files: one process, the images encoded once,
+    each figure what its own run gives; --out must name {knowledge} and {entities}."""
+    import json
+
+    from rapiddiff.cli import main
+    from tests.models.test_clip import _tiny_resnet_clip
+    from tests.models.test_text_encoder import _store
+    from tests.train.test_clip import _write_imagefolder
+
+    _write_imagefolder(tmp_path / "data")
+    _tiny_resnet_clip(_store()).save_pretrained(tmp_path / "clip")
+    (tmp_path / "yellow.txt").write_text("黄色\n", encoding="utf-8")
+    (tmp_path / "red.txt").write_text("红色\n", encoding="utf-8")
+    args = [
+        "eval",
+        "recall",
+        "--model",
+        str(tmp_path / "clip"),
+        "--data",
+        str(tmp_path / "data"),
+        "--device",
+        "cpu",
+    ]
+    lists = [str(tmp_path / "yellow.txt"), str(tmp_path / "red.txt")]
+    grid = str(tmp_path / "grid" / "recall_{knowledge}_{entities}.json")
+    assert main([*args, "--knowledge", "on,off", "--filter-entities", *lists, "--out", grid]) == 0
+    for knowledge in ("on", "off"):
+        for name in ("yellow", "red"):
+            single = tmp_path / f"single_{knowledge}_{name}.json"
+            assert main([*args, "--knowledge", knowledge, "--filter-entities", str(tmp_path / f"{name}.txt"),
+                         "--out", str(single)]) == 0  # fmt: skip
+            got = json.loads((tmp_path / "grid" / f"recall_{knowledge}_{name}.json").read_text("utf-8"))
+            assert got == json.loads(single.read_text("utf-8")) and got["knowledge"] is (knowledge == "on")
+    assert (
+        main([*args, "--knowledge", "off", "--filter-entities", *lists, "--out", str(tmp_path / "x.json")])
+        == 2
+    )
+    assert "{entities}" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    assert main([*args, "--knowledge", "on,of"]) == 2
+    assert "give on, off or on,off" in capsys.readouterr().err
