@@ -144,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knowledge",
         default="on",
+        metavar="on|off|on,off",
         help="knowledge fusion on, off for the ablation, or on,off for both from one encoding of the images",
     )
     parser.add_argument(
