@@ -1106,9 +1106,17 @@ def summarise_seeds(out: Path, seeds: list[int]) -> dict[str, Any]:
         if scored
         else None
     )
+    # Each seed's stage seconds (prep's and the U-Net part's: a packed prep carries its timings.json),
+    # where the device time went.
+    timings = {}
+    for seed in seeds:
+        path = out / f"seed-{seed}" / "results" / "timings.json"
+        if path.exists():
+            timings[seed] = json.loads(path.read_text("utf-8"))
     summary = {
         "seeds": seeds,
         "measures": table,
+        "timings": timings,
         "selection": {
             "by": "validation entities, both %, knowledge embed or both",
             "scores": scored,
@@ -1128,6 +1136,9 @@ def summarise_seeds(out: Path, seeds: list[int]) -> dict[str, Any]:
         "",
         f"Seed and knowledge mode to ship (best both % on the validation KG-only entities): {pick} (scores {scored}).",
     ]
+    if timings:
+        lines += ["", "Stage seconds:"]
+        lines += [f"- seed {s}: " + ", ".join(f"{k} {v:g}" for k, v in t.items()) for s, t in timings.items()]
     (out / "summary.md").write_text("\n".join(lines) + "\n", "utf-8")
     return summary
 

@@ -76,7 +76,9 @@ def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_
     assert "U-Net on | heldout alias | knowledge on | both %" in m0
     assert not any(k.startswith("U-Net on | heldout alias") and "render" in k for k in m0)
 
+    (tmp_path / "seed-1" / "results" / "timings.json").write_text('{"kg": 31.0, "unet_on": 139.5}', "utf-8")
     summary = chain.summarise_seeds(tmp_path, [0, 1])
+    assert summary["timings"] == {1: {"kg": 31.0, "unet_on": 139.5}}  # seed 0 kept none
     table = summary["measures"]
     assert table["U-Net on | attribute | knowledge on | all %"]["mean"] == 25.0
     assert table["U-Net on | heldout | knowledge on | render PSNR dB"]["values"] == {0: 24.0, 1: 25.0}
@@ -85,6 +87,7 @@ def test_summary_has_the_new_measures_and_the_ceiling_is_the_better_of_text_and_
     assert "| U-Net on | heldout | TransE (on) / ceiling both, ratio % | 82.50 ± 10.61 | 2 |" in md
     assert "| U-Net on | attribute | knowledge on | render SSIM | 0.8800 ± 0.0000 | 2 |" in md
     assert summary["selection"]["best_seed"] == 1 and summary["selection"]["knowledge_mode"] == "embed"
+    assert "- seed 1: kg 31, unet_on 139.5" in md
 
 
 def test_part_summary_joins_seeds_run_in_separate_calls_and_names_a_missing_one(
