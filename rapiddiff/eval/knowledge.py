@@ -540,11 +540,12 @@ def conditioning_keys(
     encoder = getattr(pipe, "text_encoder", None)
     if not hasattr(encoder, "knowledge_as") or not hasattr(encoder, "expand"):
         return None
+    unique = list(dict.fromkeys(job.prompt for job in jobs))  # a prompt has several images
     with encoder.knowledge_as({"on": True, "off": False}.get(mode, mode)):
-        prompts = encoder.expand([job.prompt for job in jobs])
+        read_as = dict(zip(unique, encoder.expand(unique), strict=True))
         negative = encoder.expand([negative_prompt or ""])[0]
         fused = bool(encoder.has_knowledge)
-    return [(prompt, negative, fused) for prompt in prompts]
+    return [(read_as[job.prompt], negative, fused) for job in jobs]
 
 
 def _knowledge_mode(pipe: Any, mode: str) -> Any:

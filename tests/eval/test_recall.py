@@ -122,19 +122,16 @@ def test_recall_equals_chinese_clip_scorer_on_the_same_top_k_lists(tmp_path):
     assert ours["num_text_queries"] == 56 and ours["num_image_queries"] == len(texts_of_image)
 
 
-def test_eval_recall_command_end_to_end(tmp_path):
-    import json
-
-    from rapiddiff.cli import main
+def _recall_command(tmp_path):
+    """A tiny KnowledgeCLIP and an imagefolder of 8 captioned images in tmp_path; the `eval recall`
+    command line on them, before --out and the options a test adds."""
     from tests.models.test_clip import _tiny_resnet_clip
     from tests.models.test_text_encoder import _store
     from tests.train.test_clip import _write_imagefolder
 
     _write_imagefolder(tmp_path / "data")
     _tiny_resnet_clip(_store()).save_pretrained(tmp_path / "clip")
-    (tmp_path / "ents.txt").write_text("黄色\n", encoding="utf-8")
-    out = tmp_path / "recall.json"
-    args = [
+    return [
         "eval",
         "recall",
         "--model",
@@ -144,6 +141,16 @@ def test_eval_recall_command_end_to_end(tmp_path):
         "--device",
         "cpu",
     ]
+
+
+def test_eval_recall_command_end_to_end(tmp_path):
+    import json
+
+    from rapiddiff.cli import main
+
+    (tmp_path / "ents.txt").write_text("黄色\n", encoding="utf-8")
+    out = tmp_path / "recall.json"
+    args = _recall_command(tmp_path)
     assert main([*args, "--out", str(out)]) == 0
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["gallery"] == {"images": 8, "texts": 8}
@@ -200,24 +207,10 @@ def test_eval_recall_grid_equals_one_evaluation_at_a_time(tmp_path, capsys):
     import json
 
     from rapiddiff.cli import main
-    from tests.models.test_clip import _tiny_resnet_clip
-    from tests.models.test_text_encoder import _store
-    from tests.train.test_clip import _write_imagefolder
 
-    _write_imagefolder(tmp_path / "data")
-    _tiny_resnet_clip(_store()).save_pretrained(tmp_path / "clip")
     (tmp_path / "yellow.txt").write_text("黄色\n", encoding="utf-8")
     (tmp_path / "red.txt").write_text("红色\n", encoding="utf-8")
-    args = [
-        "eval",
-        "recall",
-        "--model",
-        str(tmp_path / "clip"),
-        "--data",
-        str(tmp_path / "data"),
-        "--device",
-        "cpu",
-    ]
+    args = _recall_command(tmp_path)
     lists = [str(tmp_path / "yellow.txt"), str(tmp_path / "red.txt")]
     grid = str(tmp_path / "grid" / "recall_{knowledge}_{entities}.json")
     assert main([*args, "--knowledge", "on,off", "--filter-entities", *lists, "--out", grid]) == 0
