@@ -18,6 +18,11 @@
 # `python benchmarks/kshapes_chain.py --out W/tmp/ks --seeds 0,1,2 --part summary`. The prep's packs can
 # serve a later session's U-Net calls (keep OUT/seed-S.tgz and vae_best.tgz), which leaves the device
 # time for the guidance sweep the trimmed calls skip.
+# 2026-11-29 06:45 (H200, one session): prep 418 s (recall one process a seed), then SEEDS=0/1/2 with
+# SET='guidance_candidates=[2.0,3.0] eval_robust=false eval_text_mode=false': 426, 418 and 430 s a call (data 35,
+# U-Nets 222–234, sweep + assembly 54, evaluation 63): 1,776 s held of 1,800, the last call cut at CHAIN_TIMEOUT=424
+# before its entity evaluation finished (it needs ~440). Its packs stay in .wt/k18s for a later session's U-Net
+# calls over the same encoders (3 calls, ~1,330 s with a fresh start).
 # The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
 # ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
 # seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,
@@ -89,6 +94,9 @@ if [ "$part" = prep ]; then
   tar czf "$out/logs.tgz" /tmp/vr/*.log /tmp/vr/results.json $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
 else
   carried=$3
+  # a warm machine keeps /tmp: an earlier call's summary (other seeds) must not stand in for this one's
+  # when this call is cut (2026-11-29: the SEEDS=2 call, cut, packed seed 1's model from SEEDS=1's summary)
+  rm -f $work/summary.json $work/summary.md
   mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
   # with unet_rounds=2, CARRIED holds a ROUND1=1 call's round1/ packs (round one's encoders: the
   # second round alone fits one call)
@@ -116,13 +124,13 @@ else
 print(s['best_seed'], s.get('knowledge_mode') or '')" 2>/dev/null)
   if [ -z "$best" ]; then  # no summary (the evaluation was cut by the time limit): the models are
     # assembled before the evaluation, so keep the first seed's rather than lose them all
-    best=$(ls -d $work/seed-*/builtin 2>/dev/null | head -1 | sed 's|.*/seed-\([0-9]*\)/builtin|\1|')
+    best=$(for s in ${seeds//,/ }; do [ -d $work/seed-$s/builtin ] && echo "$s" && break; done)  # this call's seeds
     [ -n "$best" ] && echo "no summary.json: packing seed $best's model, not the best seed's" | tee "$out/NOTE.txt"
   fi
   # the chosen seed's built-in model (≈ 19 MB) in the chosen knowledge mode: two parts under 16 MiB
   [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
     "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
   [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
-  tar czf "$out/images.tgz" $(ls -d $work/seed-*/results/knowledge_unet-on/knowledge_*/images 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
+  tar czf "$out/images.tgz" $(for s in ${seeds//,/ }; do ls -d $work/seed-$s/results/knowledge_unet-on/knowledge_*/images; done 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
 fi
 ls -la "$out"
