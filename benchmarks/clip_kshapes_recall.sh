@@ -26,8 +26,8 @@ from pathlib import Path
 ks, out = Path(sys.argv[1]), Path(sys.argv[2])
 held = [l.strip() for l in (ks / "heldout_entities.txt").read_text("utf-8").splitlines() if l.strip()]
 seen = [n for n in json.loads((ks / "entities.json").read_text("utf-8")) if n not in set(held)]
-(out / "heldout_entities.txt").write_text("".join(f"{n}\n" for n in held), "utf-8")
-(out / "seen_entities.txt").write_text("".join(f"{n}\n" for n in seen), "utf-8")
+(out / "heldout.txt").write_text("".join(f"{n}\n" for n in held), "utf-8")
+(out / "seen.txt").write_text("".join(f"{n}\n" for n in seen), "utf-8")
 PYEOF
 
 for mode in on off; do
@@ -38,15 +38,12 @@ for mode in on off; do
     --data.train="$KS/train" --data.val="$KS/val" \
     --output="$WORK/$mode/model" --trainer.default_root_dir="$WORK/$mode" "$@"
   echo "{\"train_seconds\": $(( $(date +%s) - start ))}" > "$OUT/train_${mode}.json"
-  evals="on"; [ "$mode" = on ] && evals="on off"
-  for k in $evals; do
-    for split in seen heldout; do
-      for gt in pairs attributes; do
-        "$PY" -m rapiddiff eval recall --model "$WORK/$mode/model" --data "$KS/test" --knowledge "$k" \
-          --filter-entities "$OUT/${split}_entities.txt" --ground-truth "$gt" \
-          --out "$OUT/recall_train-${mode}_eval-${k}_${split}_${gt}.json"
-      done
-    done
+  evals=on; [ "$mode" = on ] && evals=on,off
+  # one process a ground truth: the test images are encoded once for every (knowledge, entities) pair
+  for gt in pairs attributes; do
+    "$PY" -m rapiddiff eval recall --model "$WORK/$mode/model" --data "$KS/test" --knowledge "$evals" \
+      --filter-entities "$OUT/seen.txt" "$OUT/heldout.txt" --ground-truth "$gt" \
+      --out "$OUT/recall_train-${mode}_eval-{knowledge}_{entities}_${gt}.json"
   done
 done
 
