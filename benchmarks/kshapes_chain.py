@@ -430,7 +430,7 @@ class Chain:
             self.run_parallel(jobs)
 
     def unet_and_eval(self) -> None:
-        self.ensure_data()
+        self.ensure_data(hr_copies=False)
         data = [f"--data.train={self.unet_train_data()}", f"--data.val={self.data / 'val'}"]
         # (U-Net folder, the folder whose text encoder and fusion it trains on, knowledge)
         first = [("unet_on", "clip_on", True)] + (
@@ -639,10 +639,13 @@ class Chain:
         if jobs:
             self.run_parallel(jobs)
 
-    def ensure_data(self) -> None:
+    def ensure_data(self, hr_copies: bool = True) -> None:
+        """The seed's kshapes data; ``hr_copies=False`` (the U-Net part: only the upscaler reads hr/)
+        skips writing hr/, with the base images byte-identical."""
         if (self.data / "prompts.jsonl").exists():
             return
         size = ["--small"] if self.smoke else ["--train", str(self.cfg.train_images)]
+        size += [] if hr_copies else ["--no-hr-copies"]
         workers = str(min(16, os.cpu_count() or 1))
         cmd = self.rapiddiff(
             "data",

@@ -23,6 +23,12 @@
 # U-Nets 222–234, sweep + assembly 54, evaluation 63): 1,776 s held of 1,800, the last call cut at CHAIN_TIMEOUT=424
 # before its entity evaluation finished (it needs ~440). Its packs stay in .wt/k18s for a later session's U-Net
 # calls over the same encoders (3 calls, ~1,330 s with a fresh start).
+# Next on those packs (issue 18), like for like: the weak cells the run's validation captions name (pooled
+# `kshapes_weak_cells.py select` over the 3 seeds' guidance/gS/knowledge_on detections: blue, stars, dark green)
+# added to the table's ellipse and dark green; 46 % of training lines in weak cells, against 27 % now:
+#   W='unet_weak_cells={"colour":["蓝色"],"shape":["椭圆形","星形"],"background":["深绿色"]}'
+#   SEEDS=S CHAIN_TIMEOUT=445 SET="$W guidance_candidates=[2.0,3.0] eval_robust=false eval_text_mode=false" \
+#     bash benchmarks/kshapes_chain_device.sh unet $OUT .wt/k18s          # S = 0, 1, 2: one call each
 # The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
 # ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
 # seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,

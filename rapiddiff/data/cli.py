@@ -35,6 +35,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     ks.add_argument(
         "--hr-scale", type=int, default=None, help="hr/ images are size × this (default 4; 0: no hr/)"
     )
+    ks.add_argument(
+        "--no-hr-copies",
+        dest="hr_copies",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not write hr/: the base images stay byte-identical (still reduced from the hr drawing)",
+    )
     ks.add_argument("--train", type=int, default=None, help="training images (default 20000)")
     ks.add_argument("--val", type=int, default=None, help="validation images (default 1000)")
     ks.add_argument("--test", type=int, default=None, help="test images (default 1000)")
@@ -120,6 +128,7 @@ def _kshapes(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "size": args.size,
         "hr_scale": args.hr_scale,
+        "hr_copies": args.hr_copies,
         "train": args.train,
         "val": args.val,
         "test": args.test,

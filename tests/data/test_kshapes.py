@@ -102,6 +102,20 @@ def test_same_seed_gives_identical_files_whatever_the_workers(small_set, tmp_pat
     assert _digest(other)["train/metadata.jsonl"] != first["train/metadata.jsonl"]
 
 
+def test_without_hr_copies_the_base_images_are_byte_identical(small_set, tmp_path):
+    """The chain's U-Net calls regenerate the prep's data without hr/: they must train on the same bytes."""
+    from rapiddiff.cli import main
+
+    lean = tmp_path / "lean"
+    args = ["data", "kshapes", "--out", str(lean), "--small", "--seed", "5", "--workers", "2"]
+    assert main([*args, "--no-hr-copies"]) == 0
+    assert not (lean / "hr").exists()
+    full = {k: v for k, v in _digest(small_set).items() if not k.startswith("hr/") and k != "kshapes.yaml"}
+    got = _digest(lean)
+    got.pop("kshapes.yaml")
+    assert got == full
+
+
 def test_layout_and_heldout_entities_are_in_no_training_caption(small_set):
     heldout = (small_set / "heldout_entities.txt").read_text(encoding="utf-8").split()
     entities = json.loads((small_set / "entities.json").read_text(encoding="utf-8"))

@@ -364,11 +364,13 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
     run = chain.Chain(second, cfg, smoke=True)
     trained: list[str] = []
     monkeypatch.setattr(run, "run_parallel", lambda batch: trained.extend(batch))
-    monkeypatch.setattr(run, "ensure_data", lambda: None)
+    data: list[dict[str, bool]] = []
+    monkeypatch.setattr(run, "ensure_data", lambda **kw: data.append(kw))
     monkeypatch.setattr(run, "assemble_builtin", lambda: None)
     monkeypatch.setattr(run, "evaluate", lambda: None)
     run.unet_and_eval()
     assert trained == ["unet_on_r2"]
+    assert data == [{"hr_copies": False}]  # only the prep's upscaler reads hr/
 
 
 def test_one_guidance_candidate_is_used_unswept_and_set_overrides_the_config(chain, tmp_path, monkeypatch):

@@ -72,6 +72,10 @@ class KShapesConfig:
     """Base image size in pixels (128 → 16² latents with an 8× VAE)."""
     hr_scale: int = 4
     """The hr/ copies are drawn at size × hr_scale (0: no hr/ folder)."""
+    hr_copies: bool = True
+    """False: the base images are still box-reduced from the size × hr_scale drawing, byte for byte
+    those of a run with hr/, but hr/ is not written: for a stage that reads only the base images (the
+    chain's U-Net calls regenerate the prep's data; the hr PNGs were over half of the drawing time)."""
     train: int = 20000
     """Images in train/."""
     val: int = 1000
@@ -319,14 +323,15 @@ def robust_prompts(
 
 
 def _draw(job: tuple[ShapeSpec, str, str | None, int, int]) -> None:
-    """Worker: draw one item at base size (and 4×) and write the PNGs."""
+    """Worker: draw one item at base size (and 4×) and write the PNGs (the hr one where a path is given)."""
     spec, path, hr_path, size, hr_scale = job
-    if hr_path is not None:
+    if hr_scale:
         # The hr image is drawn with 2× supersampling; the base image is its box-reduction, i.e.
         # the same drawing supersampled 2·hr_scale×, so the pair is exactly consistent. PNG level 1:
         # these flat images compress almost as well as at level 6, at half the time.
         hr = render(spec, size * hr_scale, supersample=2)
-        hr.save(hr_path, format="PNG", compress_level=1)
+        if hr_path is not None:
+            hr.save(hr_path, format="PNG", compress_level=1)
         hr.reduce(hr_scale).save(path, format="PNG", compress_level=1)
     else:
         render(spec, size, supersample=4).save(path, format="PNG", compress_level=1)
@@ -336,7 +341,7 @@ def _jobs(
     cfg: KShapesConfig, split: str, items: list[Item]
 ) -> Iterator[tuple[ShapeSpec, str, str | None, int, int]]:
     for item in items:
-        hr = str(cfg.out / "hr" / split / item.file_name) if cfg.hr_scale else None
+        hr = str(cfg.out / "hr" / split / item.file_name) if cfg.hr_scale and cfg.hr_copies else None
         yield item.spec, str(cfg.out / split / item.file_name), hr, cfg.size, cfg.hr_scale
 
 
@@ -376,7 +381,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
 
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
-        if cfg.hr_scale:
+        if cfg.hr_scale and cfg.hr_copies:
             (out / "hr" / split).mkdir(parents=True, exist_ok=True)
     jobs = [job for split in SPLITS for job in _jobs(cfg, split, splits[split])]
     workers = cfg.workers or min(8, os.cpu_count() or 1)
@@ -395,7 +400,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     for split, items in splits.items():
         rows = _jsonl([item.metadata() for item in items])
         atomic_write_text(out / split / "metadata.jsonl", rows)
-        if cfg.hr_scale:
+        if cfg.hr_scale and cfg.hr_copies:
             atomic_write_text(out / "hr" / split / "metadata.jsonl", rows)
 
     triples = "".join("\t".join(t) + "\n" for t in kg_triples())
@@ -435,7 +440,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
         "validation": validation_names,
         "triples": len(kg_triples()),
         "size": cfg.size,
-        "hr_size": cfg.size * cfg.hr_scale if cfg.hr_scale else None,
+        "hr_size": cfg.size * cfg.hr_scale if cfg.hr_scale and cfg.hr_copies else None,
     }
     log.info(
         "kshapes written to %s: %s",
