@@ -29,6 +29,10 @@
 #   W='unet_weak_cells={"colour":["蓝色"],"shape":["椭圆形","星形"],"background":["深绿色"]}'
 #   SEEDS=S CHAIN_TIMEOUT=445 SET="$W guidance_candidates=[2.0,3.0] eval_robust=false eval_text_mode=false" \
 #     bash benchmarks/kshapes_chain_device.sh unet $OUT .wt/k18s          # S = 0, 1, 2: one call each
+# Since 2026-11-29 07:20 the U-Net part draws its data without hr/ (--no-hr-copies; 2.3x faster on the CPU, not yet
+# measured here): ~410 s a call, so the three lever calls (~1,320 s held with the start) may leave room for a
+# fourth, SEEDS=2 without W, which completes this run's held-out sd (its seed 2 was cut); CHAIN_TIMEOUT from what
+# `status` says is left, less ~30 s for the call's transfers.
 # The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
 # ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
 # seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,
