@@ -130,8 +130,9 @@ else
   cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
   tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
   # the seed and knowledge mode chosen on the validation entities (summarise_seeds)
+  # (a cut evaluation's summary has best_seed null: then best stays empty and the fallback below packs)
   read -r best mode < <(python -c "import json; s = json.load(open('$work/summary.json'))['selection']; \
-print(s['best_seed'], s.get('knowledge_mode') or '')" 2>/dev/null)
+print('' if s['best_seed'] is None else s['best_seed'], s.get('knowledge_mode') or '')" 2>/dev/null)
   if [ -z "$best" ]; then  # no summary (the evaluation was cut by the time limit): the models are
     # assembled before the evaluation, so keep the first seed's rather than lose them all
     best=$(for s in ${seeds//,/ }; do [ -d $work/seed-$s/builtin ] && echo "$s" && break; done)  # this call's seeds
