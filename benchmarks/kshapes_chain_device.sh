@@ -33,6 +33,8 @@
 # measured here): ~410 s a call, so the three lever calls (~1,320 s held with the start) may leave room for a
 # fourth, SEEDS=2 without W, which completes this run's held-out sd (its seed 2 was cut); CHAIN_TIMEOUT from what
 # `status` says is left, less ~30 s for the call's transfers.
+# Begin each call with `source benchmarks/device/install_wheels.sh || exit 1;` (WHEELS=.wt/slim, the default): on a warm
+# machine it skips the install the call before made.
 # The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
 # ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
 # seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,

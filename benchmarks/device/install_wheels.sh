@@ -2,6 +2,11 @@
 # wheels ($WHEELS, default .wt/slim, from `kshapes_chain_device.sh wheels`) into /tmp/site, jieba
 # without its LAC and POS models, and PYTHONPATH for them and this tree. --no-compile keeps the
 # install short; cold_start_call.sh compiles bytecode itself where imports are what it measures.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "${WHEELS:-.wt/slim}"/*.whl && tar xzf "${WHEELS:-.wt/slim}"/jieba_slim.tgz -C /tmp/site || return 1
+# A warm machine keeps /tmp: the same wheels (names and sizes) already installed are not installed again.
+_stamp=$(ls -l "${WHEELS:-.wt/slim}"/ | awk '{print $5, $9}')
+if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$_stamp" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${WHEELS:-.wt/slim}"/*.whl && tar xzf "${WHEELS:-.wt/slim}"/jieba_slim.tgz -C /tmp/site \
+    && echo "$_stamp" > /tmp/site/.wheels || return 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
