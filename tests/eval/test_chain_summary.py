@@ -149,6 +149,7 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
     assert arg(attribute, "--kshapes") == str(tmp_path / "data") and arg(attribute, "--model").endswith(
         "unet_soup"  # the chain config's U-Net: the soup of its draws
     )
+    assert not any("--batch-size" in cmd for cmd in jobs.values())  # eval knowledge's own default
     jobs.clear()
     cfg.eval_attribute = cfg.eval_text_mode = False
     run2 = chain.Chain(tmp_path / "b", cfg, smoke=True)
@@ -163,7 +164,7 @@ def test_the_guidance_is_chosen_on_validation_entities_and_captions_and_used_by_
 ):
     cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
     assert cfg.guidance_candidates, "the chain config sweeps the guidance"
-    cfg.guidance_candidates = [2.0, 3.0, 5.0]
+    cfg.guidance_candidates, cfg.eval_batch_size = [2.0, 3.0, 5.0], 128
     run = chain.Chain(tmp_path, cfg, smoke=True)
     # validation both % per scale and mode: 3.0 wins in mode "both", 5.0 would win on "on" alone;
     # with the validation attribute captions' all-four % averaged in, 2.0 wins: (50 + 90) / 2 against
@@ -175,6 +176,7 @@ def test_the_guidance_is_chosen_on_validation_entities_and_captions_and_used_by_
 
     def fake_parallel(batch):
         for name, cmd in batch.items():
+            assert cmd[cmd.index("--batch-size") + 1] == "128"  # the sweep's and every evaluation's
             if not name.startswith("guidance_"):
                 jobs[name] = cmd
                 continue
