@@ -35,6 +35,9 @@
 # `status` says is left, less ~30 s for the call's transfers.
 # Begin each call with `source benchmarks/device/install_wheels.sh || exit 1;` (WHEELS=.wt/slim, the default): on a warm
 # machine it skips the install the call before made.
+# Untried: --set eval_batch_size=128 (the sweep and the evaluation sampled 32–47 images/s at eval knowledge's 32 on
+# the H200, 11–13 s a mode of 528 images: launch-bound for this U-Net?). Each image keeps its seed, so the images stay
+# within a level of batch 32's; the eval logs' sampling img/s measure it.
 # The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
 # ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
 # seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,
