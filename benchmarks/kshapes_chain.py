@@ -269,6 +269,10 @@ class Chain:
                 f"unet_soup: 1 (one draw) or more, unet_soup_fork_at: in (0, 1); got {cfg.unet_soup}, "
                 f"{cfg.unet_soup_fork_at}"
             )
+        if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:  # else found after the U-Nets
+            raise SystemExit(
+                f"eval_batch_size: 1 or more (or null: eval knowledge's 32), got {cfg.eval_batch_size}"
+            )
         if cfg.unet_soup > 1 and cfg.unet_rounds == 2:
             raise SystemExit("unet_soup > 1 averages round one's draws: set unet_rounds: 1")
         # the knowledge-on U-Net folder that is chosen, evaluated and shipped
@@ -654,7 +658,7 @@ class Chain:
         if (self.data / "prompts.jsonl").exists():
             return
         size = ["--small"] if self.smoke else ["--train", str(self.cfg.train_images)]
-        size += [] if hr_copies else ["--no-hr-copies"]
+        hr = [] if hr_copies else ["--no-hr-copies"]
         workers = str(min(16, os.cpu_count() or 1))
         cmd = self.rapiddiff(
             "data",
@@ -666,6 +670,7 @@ class Chain:
             "--workers",
             workers,
             *size,
+            *hr,
         )
         self.run_parallel({"data": cmd})
 

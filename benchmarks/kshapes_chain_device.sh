@@ -38,15 +38,9 @@
 # Untried: --set eval_batch_size=128 (the sweep and the evaluation sampled 32–47 images/s at eval knowledge's 32 on
 # the H200, 11–13 s a mode of 528 images: launch-bound for this U-Net?). Each image keeps its seed, so the images stay
 # within a level of batch 32's; the eval logs' sampling img/s measure it.
-# The whole 3-seed chain with its guidance sweep does not fit one H200 session (prep 532 s + 3 calls of
-# ~430–470 s > 1,800 s). On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs
-# seeds 0 and 2 on GPU 0 and seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU,
-# each call's data loaders within its 32 cores) and SEEDS=2 the third: three calls, ~1,450 s (estimated
-# from the H200 timings above, not yet run). Where no x2 is lent, one H200: the prep's recall is one
-# process a seed since 2026-11-29 (the six it replaces took ~110 s on an H100) and the sweep draws the
-# attribute captions once, so prep (~430 s?) + 3 calls with SET='guidance_candidates=[2.0,3.0]
-# eval_robust=false eval_text_mode=false' (~410 s?) may fit; every chain so far chose 2.0 or 3.0
-# (estimates: measure the prep first, and cut the last call by CHAIN_TIMEOUT). The VAE for VAE_REUSE: `tar czf V/vae_best.tgz -C
+# On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs seeds 0 and 2 on GPU 0 and
+# seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU, each call's data loaders within its 32
+# cores) and SEEDS=2 the third (not yet run). The VAE for VAE_REUSE: `tar czf V/vae_best.tgz -C
 # rapiddiff/assets/model vae` (the built-in folder's, as on 2026-11-29).
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar

@@ -9,4 +9,5 @@ if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$_stamp" ]; then
     "${WHEELS:-.wt/slim}"/*.whl && tar xzf "${WHEELS:-.wt/slim}"/jieba_slim.tgz -C /tmp/site \
     && echo "$_stamp" > /tmp/site/.wheels || return 1
 fi
+unset _stamp
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

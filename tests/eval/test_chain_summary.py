@@ -209,6 +209,9 @@ def test_the_guidance_is_chosen_on_validation_entities_and_captions_and_used_by_
     assert measures["guidance | 5 | selection score"] == 50.0
     # ties go to the lower scale (the off mode, 99 % above, never counted)
     assert chain.pick_guidance({4.0: 70.0, 3.0: 70.0, 5.0: 10.0}) == 3.0
+    cfg.eval_batch_size = 0  # refused before the first stage, not after the U-Nets trained
+    with pytest.raises(SystemExit, match="eval_batch_size: 1 or more"):
+        chain.Chain(tmp_path / "x", cfg, smoke=True)
 
 
 def test_a_second_unet_round_trains_on_the_first_rounds_encoders_and_is_the_one_evaluated(

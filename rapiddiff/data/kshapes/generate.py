@@ -110,6 +110,11 @@ class KShapesConfig:
             raise ValueError("entity_fraction and alias_fraction must lie in [0, 1]")
         self.out = Path(self.out)
 
+    @property
+    def writes_hr(self) -> bool:
+        """Whether the run writes the hr/ folder (drawn at all: hr_scale; kept: hr_copies)."""
+        return bool(self.hr_scale) and self.hr_copies
+
 
 SMALL_PRESET: dict[str, Any] = {"size": 64, "train": 240, "val": 60, "test": 60}
 
@@ -341,7 +346,7 @@ def _jobs(
     cfg: KShapesConfig, split: str, items: list[Item]
 ) -> Iterator[tuple[ShapeSpec, str, str | None, int, int]]:
     for item in items:
-        hr = str(cfg.out / "hr" / split / item.file_name) if cfg.hr_scale and cfg.hr_copies else None
+        hr = str(cfg.out / "hr" / split / item.file_name) if cfg.writes_hr else None
         yield item.spec, str(cfg.out / split / item.file_name), hr, cfg.size, cfg.hr_scale
 
 
@@ -381,7 +386,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
 
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
-        if cfg.hr_scale and cfg.hr_copies:
+        if cfg.writes_hr:
             (out / "hr" / split).mkdir(parents=True, exist_ok=True)
     jobs = [job for split in SPLITS for job in _jobs(cfg, split, splits[split])]
     workers = cfg.workers or min(8, os.cpu_count() or 1)
@@ -400,7 +405,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     for split, items in splits.items():
         rows = _jsonl([item.metadata() for item in items])
         atomic_write_text(out / split / "metadata.jsonl", rows)
-        if cfg.hr_scale and cfg.hr_copies:
+        if cfg.writes_hr:
             atomic_write_text(out / "hr" / split / "metadata.jsonl", rows)
 
     triples = "".join("\t".join(t) + "\n" for t in kg_triples())
@@ -440,7 +445,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
         "validation": validation_names,
         "triples": len(kg_triples()),
         "size": cfg.size,
-        "hr_size": cfg.size * cfg.hr_scale if cfg.hr_scale and cfg.hr_copies else None,
+        "hr_size": cfg.size * cfg.hr_scale if cfg.writes_hr else None,
     }
     log.info(
         "kshapes written to %s: %s",
