@@ -58,7 +58,10 @@
 # SET='guidance_candidates=[3.0] eval_robust=false eval_text_mode=false' the 3-seed call finishes the
 # U-Nets and the evaluation the seed choice needs at ~565 s: cut at 550 s, its resume took 15 s.
 set -u
-part=$1; out=$2; work=/tmp/ks; seeds=${SEEDS:-0,1,2}
+part=$1; out=$2; seeds=${SEEDS:-0,1,2}
+# WORK: the chain's folder (default /tmp/ks); a second `unet` beside the first in one call (its own GPU by
+# CUDA_VISIBLE_DEVICES, e.g. a baseline beside a lever) needs its own WORK and OUT
+work=${WORK:-/tmp/ks}
 if [ "$part" = wheels ]; then
   wheels=$(realpath "$2"); dest=$(realpath -m "$3"); rm -rf "$dest"; mkdir -p "$dest"
   for w in "$wheels"/*.whl; do
@@ -106,19 +109,20 @@ else
   # a warm machine keeps /tmp: an earlier call's summary (other seeds) must not stand in for this one's
   # when this call is cut (2026-11-29: the SEEDS=2 call, cut, packed seed 1's model from SEEDS=1's summary)
   rm -f $work/summary.json $work/summary.md
-  mkdir -p /tmp/vae_best && tar xzf "$carried/vae_best.tgz" -C /tmp/vae_best
+  vae=${work}_vae  # one a WORK: two calls side by side must not unpack into one folder at once
+  mkdir -p $vae && tar xzf "$carried/vae_best.tgz" -C $vae
   # with unet_rounds=2, CARRIED holds a ROUND1=1 call's round1/ packs (round one's encoders: the
   # second round alone fits one call)
   # CHAIN_TIMEOUT: less than 560 s when the session has less device time left (the summary of what
   # finished still comes back; a call cut by the device budget returns nothing)
   timeout "${CHAIN_TIMEOUT:-560}" python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part unet --unpack "$carried" \
-    --vae /tmp/vae_best/vae --workers 2 "${sets[@]/#/--set=}" > "$out/chain_unet.log" 2>&1 &
+    --vae $vae/vae --workers 2 "${sets[@]/#/--set=}" > "$out/chain_unet.log" 2>&1 &
   chain=$!
   if [ -n "${ROUND1:-}" ]; then  # as soon as round one's U-Nets exist, pack their encoders beside the evaluation
     n=$(echo "$seeds" | tr ',' '\n' | wc -l)
     until [ "$(grep -l "unet_on: exit 0" $work/seed-*.log 2>/dev/null | wc -l)" -ge "$n" ] || ! kill -0 $chain 2>/dev/null; do sleep 2; done
     rm -rf /tmp/round1 && python benchmarks/kshapes_chain.py --out $work --seeds "$seeds" --part pack --pack /tmp/round1 \
-      --vae /tmp/vae_best/vae > /tmp/pack_round1.log 2>&1
+      --vae $vae/vae > /tmp/pack_round1.log 2>&1
     cp "$carried/vae_best.tgz" /tmp/round1/ && tar cf "$out/round1.tar" -C /tmp round1 pack_round1.log
   fi
   wait $chain
@@ -140,7 +144,8 @@ print('' if s['best_seed'] is None else s['best_seed'], s.get('knowledge_mode') 
   # the chosen seed's built-in model (≈ 19 MB) in the chosen knowledge mode: two parts under 16 MiB
   [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
     "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
+  [ "${PACK_MODEL:-1}" = 0 ] && best=  # PACK_MODEL=0: no model, no images (a baseline beside a lever: ≤ 8 files a call)
   [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
-  tar czf "$out/images.tgz" $(for s in ${seeds//,/ }; do ls -d $work/seed-$s/results/knowledge_unet-on/knowledge_*/images; done 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
+  [ "${PACK_MODEL:-1}" = 0 ] || tar czf "$out/images.tgz" $(for s in ${seeds//,/ }; do ls -d $work/seed-$s/results/knowledge_unet-on/knowledge_*/images; done 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
 fi
 ls -la "$out"
