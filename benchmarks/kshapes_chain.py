@@ -632,7 +632,7 @@ class Chain:
         jobs = {}
         for name, (model, prompts, modes, names) in runs.items():
             target = self.results / name
-            if not (target / "metrics" / "knowledge.json").exists():  # what eval knowledge writes last
+            if not _evaluated(target, modes):
                 jobs[name] = self.rapiddiff(
                     "eval", "knowledge", "--model", str(self.out / model), "--kshapes", str(prompts),
                     "--out", str(target), "--modes", modes, "--splits", names, *common,
@@ -902,6 +902,16 @@ def _last_logged(run: Path, key: str) -> float | None:
 
 def _done(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
+
+
+def _evaluated(target: Path, modes: str) -> bool:
+    """An `eval knowledge` run that finished (its metrics are what it writes last) with every mode asked for.
+    A resumed chain with a mode switched on since (eval_text_mode) runs it again: eval knowledge keeps the
+    images already drawn and draws only the new mode's (2026-11-29: a resume with eval_text_mode on skipped
+    "text" for a seed whose evaluation had finished without it)."""
+    return (target / "metrics" / "knowledge.json").exists() and all(
+        (target / f"knowledge_{mode}").is_dir() for mode in modes.split(",")
+    )
 
 
 def _has_cuda() -> bool:

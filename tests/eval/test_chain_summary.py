@@ -159,6 +159,27 @@ def test_the_chain_evaluates_both_modes_and_the_attribute_split(chain, tmp_path,
     assert "knowledge_attribute_unet-on" not in jobs
 
 
+def test_a_finished_evaluation_runs_again_only_for_a_mode_it_lacks(chain, tmp_path, monkeypatch):
+    cfg = chain.load_config(chain.ChainConfig, ROOT / "configs" / "kshapes" / "chain.yaml")
+    cfg.guidance_candidates = []
+    cfg.eval_text_mode = cfg.eval_robust = cfg.eval_attribute = False
+    run = chain.Chain(tmp_path, cfg, smoke=True)
+    for name, modes in (("knowledge_unet-on", "on,off,both"), ("knowledge_unet-off", "off")):
+        (run.results / name / "metrics").mkdir(parents=True)
+        (run.results / name / "metrics" / "knowledge.json").write_text("{}", "utf-8")
+        for mode in modes.split(","):
+            (run.results / name / f"knowledge_{mode}").mkdir()
+    jobs: dict[str, list[str]] = {}
+    monkeypatch.setattr(run, "run_parallel", lambda batch: jobs.update(batch))
+    run.evaluate()
+    assert not any(name.startswith("knowledge_") for name in jobs)  # finished with its modes: not redone
+    run.cfg.eval_text_mode = True  # switched on for the resume: the entity evaluation lacks "text"
+    run.evaluate()
+    assert [name for name in jobs if name.startswith("knowledge_")] == ["knowledge_unet-on"]
+    cmd = jobs["knowledge_unet-on"]
+    assert cmd[cmd.index("--modes") + 1] == "on,off,text,both"
+
+
 def test_the_guidance_is_chosen_on_validation_entities_and_captions_and_used_by_every_evaluation(
     chain, tmp_path, monkeypatch
 ):
