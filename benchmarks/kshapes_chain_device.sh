@@ -23,16 +23,13 @@
 # U-Nets 222–234, sweep + assembly 54, evaluation 63): 1,776 s held of 1,800, the last call cut at CHAIN_TIMEOUT=424
 # before its entity evaluation finished (it needs ~440). Its packs stay in .wt/k18s for a later session's U-Net
 # calls over the same encoders (3 calls, ~1,330 s with a fresh start).
-# Next on those packs (issue 18), like for like: the weak cells the run's validation captions name (pooled
-# `kshapes_weak_cells.py select` over the 3 seeds' guidance/gS/knowledge_on detections: blue, stars, dark green)
-# added to the table's ellipse and dark green; 46 % of training lines in weak cells, against 27 % now:
-#   W='unet_weak_cells={"colour":["蓝色"],"shape":["椭圆形","星形"],"background":["深绿色"]}'
-#   SEEDS=S CHAIN_TIMEOUT=445 SET="$W guidance_candidates=[2.0,3.0] eval_robust=false eval_text_mode=false" \
-#     bash benchmarks/kshapes_chain_device.sh unet $OUT .wt/k18s          # S = 0, 1, 2: one call each
-# Since 2026-11-29 07:20 the U-Net part draws its data without hr/ (--no-hr-copies; 2.3x faster on the CPU, not yet
-# measured here): ~410 s a call, so the three lever calls (~1,320 s held with the start) may leave room for a
-# fourth, SEEDS=2 without W, which completes this run's held-out sd (its seed 2 was cut); CHAIN_TIMEOUT from what
-# `status` says is left, less ~30 s for the call's transfers.
+# 2026-11-29 09:05 (2 × H200, one session, 1,624 s held): on those packs, one seed a GPU, two chains side by side
+# in one call where a baseline ran beside a lever (WORK and OUT of its own, PACK_MODEL=0, CUDA_VISIBLE_DEVICES):
+#   SEEDS=0,1 CHAIN_TIMEOUT=540 SET="$S" bash benchmarks/kshapes_chain_device.sh unet $OUT .wt/k18s        # 478-507 s
+#   CUDA_VISIBLE_DEVICES=1 WORK=/tmp/ksb PACK_MODEL=0 SEEDS=2 ... unet /tmp/outb .wt/k18s & \
+#   CUDA_VISIBLE_DEVICES=0 SEEDS=2 ... unet $OUT .wt/k18s; wait; tar cf $OUT/base.tar -C /tmp outb          # 467 s
+# and, on the warm machine, the robust phrasings and mode text for the trained soups in one 70 s call (the chain
+# resumes: only the evaluations not yet run). BENCHMARKS.md, "the chain's U-Net part again on the same packs".
 # Begin each call with `source benchmarks/device/install_wheels.sh || exit 1;` (WHEELS=.wt/slim, the default): on a warm
 # machine it skips the install the call before made.
 # Untried: --set eval_batch_size=128 (the sweep and the evaluation sampled 32–47 images/s at eval knowledge's 32 on
@@ -40,7 +37,7 @@
 # within a level of batch 32's; the eval logs' sampling img/s measure it.
 # On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs seeds 0 and 2 on GPU 0 and
 # seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU, each call's data loaders within its 32
-# cores) and SEEDS=2 the third (not yet run). The VAE for VAE_REUSE: `tar czf V/vae_best.tgz -C
+# cores) and SEEDS=2 the third (run 2026-11-29 09:05, above). The VAE for VAE_REUSE: `tar czf V/vae_best.tgz -C
 # rapiddiff/assets/model vae` (the built-in folder's, as on 2026-11-29).
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
