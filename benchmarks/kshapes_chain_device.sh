@@ -129,20 +129,22 @@ else
   fi
   cp $work/summary.md $work/summary.json "$out/" 2>/dev/null
   tar czf "$out/results.tgz" --exclude='*.png' $work/seed-*.log $work/seed-*/logs $work/seed-*/results 2>/dev/null
-  # the seed and knowledge mode chosen on the validation entities (summarise_seeds)
-  # (a cut evaluation's summary has best_seed null: then best stays empty and the fallback below packs)
-  read -r best mode < <(python -c "import json; s = json.load(open('$work/summary.json'))['selection']; \
+  # PACK_MODEL=0: neither the chosen model nor images (a baseline beside a lever: ≤ 8 files a call)
+  if [ "${PACK_MODEL:-1}" != 0 ]; then
+    # the seed and knowledge mode chosen on the validation entities (summarise_seeds)
+    # (a cut evaluation's summary has best_seed null: then best stays empty and the fallback below packs)
+    read -r best mode < <(python -c "import json; s = json.load(open('$work/summary.json'))['selection']; \
 print('' if s['best_seed'] is None else s['best_seed'], s.get('knowledge_mode') or '')" 2>/dev/null)
-  if [ -z "$best" ]; then  # no summary (the evaluation was cut by the time limit): the models are
-    # assembled before the evaluation, so keep the first seed's rather than lose them all
-    best=$(for s in ${seeds//,/ }; do [ -d $work/seed-$s/builtin ] && echo "$s" && break; done)  # this call's seeds
-    [ -n "$best" ] && echo "no summary.json: packing seed $best's model, not the best seed's" | tee "$out/NOTE.txt"
+    if [ -z "$best" ]; then  # no summary (the evaluation was cut by the time limit): the models are
+      # assembled before the evaluation, so keep the first seed's rather than lose them all
+      best=$(for s in ${seeds//,/ }; do [ -d $work/seed-$s/builtin ] && echo "$s" && break; done)  # this call's seeds
+      [ -n "$best" ] && echo "no summary.json: packing seed $best's model, not the best seed's" | tee "$out/NOTE.txt"
+    fi
+    # the chosen seed's built-in model (≈ 19 MB) in the chosen knowledge mode: two parts under 16 MiB
+    [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
+      "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
+    [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
+    tar czf "$out/images.tgz" $(for s in ${seeds//,/ }; do ls -d $work/seed-$s/results/knowledge_unet-on/knowledge_*/images; done 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
   fi
-  # the chosen seed's built-in model (≈ 19 MB) in the chosen knowledge mode: two parts under 16 MiB
-  [ -n "$best" ] && [ -n "$mode" ] && sed -i "s/\"knowledge_mode\": \"[a-z]*\"/\"knowledge_mode\": \"$mode\"/" \
-    "$work/seed-$best/builtin/text_encoder/rapiddiff_encoder.json"
-  [ "${PACK_MODEL:-1}" = 0 ] && best=  # PACK_MODEL=0: no model, no images (a baseline beside a lever: ≤ 8 files a call)
-  [ -n "$best" ] && [ -d "$work/seed-$best/builtin" ] && tar czf - -C "$work/seed-$best" builtin | split -b 15m - "$out/builtin_seed$best.tgz."
-  [ "${PACK_MODEL:-1}" = 0 ] || tar czf "$out/images.tgz" $(for s in ${seeds//,/ }; do ls -d $work/seed-$s/results/knowledge_unet-on/knowledge_*/images; done 2>/dev/null | head -4) 2>/dev/null  # 6 folders made 19 MB: over the 16 MiB a file may bring back
 fi
 ls -la "$out"
