@@ -6,7 +6,7 @@ the knowledge switch, ``RapidDiffusionPipeline(..., knowledge=...)``). Each row 
 the entity and its colour/shape from the model's own knowledge graph; each image with the colour
 the kshapes detector reads off it, ✓ where it is the KG's colour.
 
-    python benchmarks/builtin_grid.py --out docs/builtin_grid.png
+    python benchmarks/builtin_grid.py --out docs/images/builtin_grid.png
     python benchmarks/builtin_grid.py --model /tmp/bi/builtin --kshapes /tmp/ksfull --steps 25
 
 Held-out entities come from ``--heldout``, ``--kshapes DIR`` (its heldout_entities.txt) or, by default,
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="denoising steps (default: the model's, as generate)")
     parser.add_argument("--font", help="a font file with Chinese glyphs (default: fc-list :lang=zh)")
     parser.add_argument("--cell", type=int, default=128, help="pixels per image in the grid (default 128)")
-    parser.add_argument("--out", type=Path, default=Path("docs/builtin_grid.png"), help="PNG to write")
+    parser.add_argument("--out", type=Path, default=Path("docs/images/builtin_grid.png"), help="PNG to write")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
 
