@@ -23,9 +23,18 @@ Open http://127.0.0.1:7860/ for the web page; /docs lists the API; /metrics is P
 """
 
 
-def register(parser: argparse.ArgumentParser) -> None:
-    from rapiddiff.infer.generate_cli import parse_size
+def _warmup_size(text: str) -> tuple[int, int]:
+    """``--warmup-size WIDTHxHEIGHT`` (the API's form) → the (height, width) the config keeps."""
+    from rapiddiff.serve.config import parse_size
 
+    try:
+        width, height = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return height, width
+
+
+def register(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--model", metavar="DIR", help="model folder (default: the built-in model)")
@@ -43,8 +52,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--fast", action="store_true", help="the accelerated inference path (warmed up before /ready)"
     )
     parser.add_argument(
-        "--warmup-size", type=parse_size, action="append", metavar="HxW|N",
-        help="with --fast: a size to warm up before /ready (repeatable; default: the model's size)",
+        "--warmup-size", type=_warmup_size, action="append", metavar="WxH|N",
+        help="with --fast: a size to warm up before /ready, WIDTHxHEIGHT as the API's size "
+        "(repeatable; default: the model's size)",
     )  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=4, help="most images per pipeline call (default 4)")
     parser.add_argument(

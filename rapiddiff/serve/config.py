@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+SIZE_FORM = '"WIDTHxHEIGHT" (width first, as OpenAI\'s size), e.g. "256x128" for 256 wide and 128 high'
+_SIZE = re.compile(r"\s*(\d+)\s*(?:[xX×*]\s*(\d+))?\s*")
 
 
 @dataclass
@@ -19,13 +23,14 @@ class ServeConfig:
     fast: bool = False
     """Use the pipeline's fast path (``pipe.enable_fast()``); ``/ready`` waits for its warm-up."""
     warmup_sizes: list[tuple[int, int]] = field(default_factory=list)
-    """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size)."""
+    """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size);
+    ``--warmup-size`` takes them as ``WIDTHxHEIGHT``, the API's form."""
     fast_batches: list[int] = field(default_factory=list)
     """With ``fast``: the batch sizes that get a captured graph; default: powers of two below
     ``max_batch``, and ``max_batch``. A partial batch runs padded up to one of them or split over
     smaller ones, whichever is quicker by the times warm-up measured (``engine.plan_calls``). Each
-    costs a compile in warm-up (74–93 s each for SD 1.5 at 512² on an H100), so ``1,8`` is ready
-    sooner, but a batch of 4 then costs a batch of 8 (or four of 1)."""
+    costs a compile in warm-up (over a minute for a 512² model), so ``1,8`` is ready sooner, but a
+    batch of 4 then costs a batch of 8 (or four of 1)."""
     max_batch: int = 4
     """Most images sampled in one pipeline call (requests of the same size and settings share it)."""
     max_wait_ms: float = 50.0
@@ -40,7 +45,7 @@ class ServeConfig:
     max_side: int = 1024
     """Largest height or width (before upscaling) one request may ask for."""
     default_steps: int | None = None
-    """Steps when a request names none (default: the model folder's, else 50)."""
+    """Steps when a request names none (default: the model folder's ``SamplingDefaults``)."""
     default_upscale: bool | None = None
     """Upscale when a request does not say (default: as ``rapiddiff generate``, on when the model has one)."""
     loras: list[tuple[str, float]] = field(default_factory=list)
@@ -85,3 +90,13 @@ def parse_devices(text: str) -> list[str]:
             raise ValueError(f"--devices '{text}': empty entry; use e.g. 0,1 or cpu")
         devices.append(f"cuda:{part}" if part.isdigit() else part)
     return devices
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``"WIDTHxHEIGHT"`` or ``"N"`` (N×N) → (width, height); ValueError naming the form otherwise."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise ValueError(f'size "{text}": use {SIZE_FORM}')
+    width = int(match.group(1))
+    height = int(match.group(2)) if match.group(2) else width
+    return width, height

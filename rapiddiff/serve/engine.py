@@ -1,49 +1,10 @@
 """One pipeline per device and the micro-batching queue in front of them.
 
-Requests queue as :class:`Job` s. Each device has a worker: an asyncio task that takes the oldest
-job, gathers the queued jobs with the same :class:`~rapiddiff.serve.schemas.Settings` (size, steps,
-guidance, sampler, knowledge, upscale) up to ``max_batch`` images, and samples them as ONE pipeline
-call in that device's own thread — so the event loop keeps answering while a GPU (or the CPU)
-works. Each image keeps its own seed (the pipeline's seed rule), so a request gets the image
-``rapiddiff generate`` makes for its prompt, seed and settings. The rows of a batch are ordered by
-seed, so a batch's composition does not depend on the order its requests arrived in.
-
-When to wait for company (:meth:`Engine._company_until`): a worker waits up to ``max_wait_ms`` for
-more matching requests only while some could come — never for a lone request. Triton's dynamic
-batcher (``max_queue_delay_microseconds``), TorchServe (``max_batch_delay``) and Ray Serve's
-``@serve.batch`` (``batch_wait_timeout_s``, timed from a batch's first request since
-ray-project/ray#36510) hold a partial batch for up to the timeout whatever the traffic; with no
-timeout they batch only what queued while the model was busy (Ray moved its default from 0 to
-10 ms, ray-project/ray#55126, because 0 rarely batched). A fixed wait costs a client that sends
-one request at a time the whole wait on every request (the H100 table in BENCHMARKS.md: 0.30 vs
-0.28 s). Here the evidence that company is coming is:
-
-* *returning clients*: requests answered (or being PNG-encoded, about to be answered) in the last
-  second (:data:`RETURN_WINDOW_S`), minus the requests that arrived since. Closed-loop clients answered by one batch
-  come back together, so the first of four returning clients waits for the other three — and no
-  longer (it does not wait for a batch of ``max_batch`` that cannot form). A lone client's answer is
-  consumed by its own next request, so that request runs at once;
-* *a burst in progress*: another request with the head's settings that was not a returning
-  client arrived in the last ``max_wait`` and is not answered yet (more of the burst may follow).
-
-The wait ends when the batch is full, when the evidence runs out, or ``max_wait`` after the
-latest of: the head's arrival, this worker finishing its last batch, and the answer to the last
-request of that batch (a request that queued behind a busy worker still gets one chance to be
-joined by the clients that batch answered: that is how closed-loop clients answered apart come
-back in step). The first request of a burst after a quiet spell runs alone: nothing could have
-told the server that others follow; the rest of the burst queues behind it, and the two groups
-merge again when the first is answered.
-
-PNG encoding runs in a small thread pool, not in the device's thread: the worker starts its next
-batch while the previous one is encoded (at most :data:`ENCODE_BACKLOG` batches a worker waiting
-for the encoder, so memory stays bounded when encoding is the bottleneck).
-
-With the fast path (captured graphs of fixed batch sizes), a partial batch runs as the cheapest
-set of captured sizes by the seconds each took in warm-up (:func:`plan_calls`): padded up to the
-next size, or split into smaller ones, whichever the GPU says is quicker.
-
-If a batch fails, each of its requests is run again alone; an image whose PNG encoding fails
-fails its own request only: a request that fails fails alone.
+Requests queue as :class:`Job` s; each device's worker gathers the queued jobs with the same
+:class:`~rapiddiff.serve.schemas.Settings` into one pipeline call, run in that device's own
+thread, and hands the images to a small PNG-encoding pool. A worker waits for more requests to
+fill a batch only while some could still come (:meth:`Engine._company_until`). A failing batch
+is retried request by request, so a request that fails fails alone.
 """
 
 from __future__ import annotations
@@ -51,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import os
@@ -60,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -206,7 +169,14 @@ def plan_calls(rows: int, buckets: list[int], seconds: dict[int, float] | None =
     return sorted(best[rows][2], reverse=True)
 
 
+def served_model_name(config: ServeConfig) -> str:
+    """The id ``/v1/models`` lists and the page shows: ``builtin`` for the built-in model (the name
+    ``pretrained: builtin`` and ``finetune merge --base builtin`` use), else the folder's name."""
+    return Path(config.model).resolve().name if config.model is not None else "builtin"
+
+
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
+    """What requests are checked against, read from the loaded pipeline and the server's settings."""
     from rapiddiff.infer.pipeline import scheduler_choices
     from rapiddiff.models.sampling import default_sampler
 
@@ -214,9 +184,9 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
         return default_sampler(schedule, name) == name
 
     # The folder's rapiddiff.json "sampling" over the library's defaults, as the pipeline read it.
-    defaults = pipe.sampling.to_dict()
+    defaults = pipe.sampling
     if config.default_steps is not None:
-        defaults["num_inference_steps"] = config.default_steps
+        defaults = dataclasses.replace(defaults, num_inference_steps=config.default_steps)
     encoder = pipe.text_encoder
     # A copy of its own: request checks run on the event loop while the worker thread encodes, and a
     # fast tokenizer keeps padding and truncation as state on its Rust backend (set per call), so a
@@ -227,7 +197,7 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
         return len(tokenizer(text, truncation=False, add_special_tokens=True)["input_ids"])
 
     return ModelLimits(
-        name=pipe.model_name,
+        name=served_model_name(config),
         default_size=pipe.default_size,
         size_multiple=pipe.size_multiple,
         max_tokens=int(encoder.max_length),
@@ -311,7 +281,7 @@ class Engine:
             return
         pipe = worker.pipe
         sizes = self.config.warmup_sizes or [(pipe.default_size, pipe.default_size)]
-        steps = model_limits(pipe, self.config).defaults["num_inference_steps"]
+        steps = model_limits(pipe, self.config).defaults.num_inference_steps
         buckets = batch_buckets(self.config.max_batch, self.config.fast_batches)
         for height, width in sizes:
             seconds: dict[int, float] = {}
@@ -339,11 +309,18 @@ class Engine:
         ]
 
     # ------------------------------------------------------------------ requests
-    def check(self, req: ImageRequest) -> tuple[Settings, dict[str, Any]]:
+    def loaded_limits(self) -> ModelLimits:
+        """The loaded model's limits; a 503 while it loads, or with the reason loading failed."""
+        if self.load_error:
+            raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_failed")
         if not self.ready or self.limits is None:
-            raise ApiError(503, self.load_error or "the model is still loading; retry when GET /ready answers 200",
-                           code="not_ready")  # fmt: skip
-        return check_request(req, self.limits, self.config)
+            raise ApiError(
+                503, "the model is still loading; retry when GET /ready answers 200", code="not_ready"
+            )
+        return self.limits
+
+    def check(self, req: ImageRequest) -> tuple[Settings, dict[str, Any]]:
+        return check_request(req, self.loaded_limits(), self.config)
 
     async def generate(self, req: ImageRequest) -> list[GeneratedImage]:
         """Queue one request and wait for its images (raises ApiError for bad input or refusal)."""
@@ -396,7 +373,19 @@ class Engine:
 
     def _company_until(self, head: Job, now: float) -> float | None:
         """Until when another request may still come to join ``head`` (a time to look again by),
-        or ``None`` when nothing suggests one will: the rule in the module docstring."""
+        or ``None`` when nothing suggests one will.
+
+        A fixed batch timeout would cost a client that sends one request at a time the whole wait
+        on every request, so the worker waits only on evidence of company:
+
+        * *returning clients*: answers of the last :data:`RETURN_WINDOW_S` not yet matched by an
+          arrival (clients answered by one batch come back together; a lone client's answer is
+          matched by its own next request, which then runs at once);
+        * *a burst in progress*: another request with the head's settings, not a returning client,
+          that arrived within ``max_wait`` and is not answered yet.
+
+        The worker loop also ends the wait when the batch is full, or ``max_wait`` after the latest
+        of the head's arrival, the worker's last batch and that batch's last answer."""
         self._forget_old(now)
         if self._encoding_jobs:  # answered within milliseconds; their clients may come back
             return math.inf
@@ -541,6 +530,8 @@ class Engine:
         """Runs in the worker's thread: pipeline calls of up to ``max_batch`` rows; the images come
         back as arrays (copies on the host, safe from the next call) for the encoder."""
         s = jobs[0].settings
+        # Each image keeps its own seed, and rows go by seed: a request gets `rapiddiff generate`'s
+        # image, whatever the order its batch-mates arrived in.
         rows = sorted(
             ((seed, job.prompt, job.negative, j) for j, job in enumerate(jobs) for seed in job.seeds),
             key=lambda row: (row[0], row[1], row[2]),

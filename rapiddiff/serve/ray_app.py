@@ -1,22 +1,9 @@
 """The same app on Ray Serve: ``rapiddiff serve --ray`` (``pip install 'rapiddiff[ray]'``).
 
-Every replica builds the very app ``rapiddiff serve`` runs (:func:`rapiddiff.serve.app.create_app`,
-through ``serve.ingress``'s app builder, so the model loads inside the replica, not in the driver)
-with its own engine: one model copy, its micro-batching queue, its metrics. Ray Serve's proxy
-spreads requests over the replicas and its autoscaler adds or removes replicas.
-
-- **GPUs:** a replica asks Ray for ``1 / replicas_per_gpu`` GPUs; Ray sets ``CUDA_VISIBLE_DEVICES``
-  for it, so its device ``auto`` is the GPU it was given. One replica per GPU is the default (one
-  model copy per GPU, as ``--devices 0,1`` does in one process); 2 puts two copies on each GPU,
-  which helps only where one copy leaves the GPU idle between batches.
-- **Autoscaling:** ``min_replicas`` .. ``max_replicas``, aiming at ``target_ongoing_requests``
-  requests in flight per replica (about two full batches keeps a GPU busy while the next batch
-  queues). ``max_ongoing_requests`` is set above the batch size, or Ray would never hand a
-  replica enough requests to batch.
-- **A cluster:** start Ray on each machine (``ray start --head`` on one, ``ray start
-  --address=HEAD:6379`` on the others), then run ``rapiddiff serve --ray --ray-address auto
-  --max-replicas N`` on the head; replicas land wherever Ray finds a free GPU. Every machine needs
-  rapiddiff installed and the model folder at the same path (or a shared file system).
+Every replica builds the app ``rapiddiff serve`` runs (:func:`rapiddiff.serve.app.create_app`)
+with its own engine, on the GPU share Ray gives it (``1 / replicas_per_gpu``); Ray Serve's proxy
+spreads requests over the replicas and its autoscaler keeps ``target_ongoing_requests`` in flight
+per replica, between ``min_replicas`` and ``max_replicas``.
 """
 
 from __future__ import annotations

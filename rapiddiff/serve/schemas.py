@@ -1,7 +1,8 @@
 """The request body of ``POST /v1/images/generations`` and its checks.
 
 OpenAI's images API fields (``prompt``, ``n``, ``size``, ``response_format``, ``model``, ``user``)
-keep OpenAI's meaning, so the official ``openai`` client works unchanged; rapiddiff's own fields
+keep OpenAI's meaning, so the official ``openai`` client works unchanged (``quality`` and ``style``
+are accepted and ignored); rapiddiff's own fields
 (``negative_prompt``, ``seed``, ``steps``, ...) ride in the same JSON object (the client's
 ``extra_body``). :func:`check_request` turns a body into pipeline settings or raises
 :class:`ApiError`, a 4xx that names the field and what to send instead.
@@ -12,13 +13,23 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rapiddiff.serve.config import ServeConfig
+from rapiddiff.models.sampling import SamplingDefaults
+from rapiddiff.serve.config import ServeConfig, parse_size
+from rapiddiff.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+IGNORED_OPENAI_FIELDS = ("quality", "style")
+"""OpenAI fields a client may send that mean nothing for this model: accepted, logged, not used."""
+MAX_GUIDANCE = 50.0
+"""Largest classifier-free guidance scale a request may ask for."""
+SCHEDULER_ALIASES = {"plms": "pndm", "dpmsolver++": "dpm++", "dpm-solver++": "dpm++", "dpmpp": "dpm++"}
+"""Other names clients use for the samplers (diffusers' and k-diffusion's)."""
 
 
 class ApiError(Exception):
@@ -44,10 +55,15 @@ class ImageRequest(BaseModel):
     prompt: str = Field(description="what to draw (Chinese or any language the model knows)")
     model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
     n: int = Field(1, description="number of images; image k gets seed + k")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" before upscaling (default: the model\'s)')
+    size: str | None = Field(
+        None,
+        description='"WIDTHxHEIGHT" (width first) before upscaling, e.g. "256x128" (default: the model\'s)',
+    )
     response_format: str = Field("b64_json", description='only "b64_json" (PNG bytes, base64)')
     output_format: str | None = Field(None, description='only "png"')
     user: str | None = Field(None, description="an end-user id (accepted, not used)")
+    quality: str | None = Field(None, description="accepted for OpenAI clients and ignored (logged)")
+    style: str | None = Field(None, description="accepted for OpenAI clients and ignored (logged)")
     # --- rapiddiff's own
     negative_prompt: str | None = Field(None, description="what to steer away from")
     seed: int | None = Field(None, description="seed of the first image (default: random; returned)")
@@ -94,12 +110,9 @@ class ModelLimits:
     max_tokens: int
     schedulers: tuple[str, ...]
     has_upscaler: bool
-    defaults: dict[str, Any]  # num_inference_steps, guidance_scale, scheduler
+    defaults: SamplingDefaults  # the folder's, with the server's --steps over its steps
     pipeline_kwargs: frozenset[str]  # the keyword arguments the pipeline's __call__ takes
     count_tokens: Any  # prompt → number of tokens the text encoder sees (with special tokens)
-
-
-_SIZE = re.compile(r"\s*(\d+)\s*[xX×*]\s*(\d+)\s*")
 
 
 def decode_image(text: str, param: str) -> Any:
@@ -127,9 +140,23 @@ def check_request(
 ) -> tuple[Settings, dict[str, Any]]:
     """Validate ``req`` against the model and the server's limits.
 
-    Returns the batch key and the per-request pipeline arguments (prompt, negative prompt, seeds,
-    images); raises :class:`ApiError` (4xx) naming the field at fault.
+    Returns the batch key and the per-request pipeline arguments (init/mask image, strength);
+    raises :class:`ApiError` (4xx) naming the field at fault.
     """
+    _check_output(req, limits)
+    _check_count(req, config)
+    _check_prompts(req, limits)
+    height, width = _check_size(req, limits, config)
+    steps, guidance, scheduler = _check_sampling(req, limits, config)
+    upscale = _check_upscale(req, limits, config)
+    extra, image_key = _check_images(req, limits)
+    _note_ignored(req)
+    settings = Settings(height, width, steps, guidance, scheduler, req.knowledge, upscale, image_key)
+    return settings, extra
+
+
+def _check_output(req: ImageRequest, limits: ModelLimits) -> None:
+    """The OpenAI fields that pick what comes back: the format and the model."""
     if req.response_format != "b64_json":
         raise ApiError(
             400, f'response_format "{req.response_format}" is not served; use "b64_json" (PNG bytes in the response)',
@@ -144,13 +171,21 @@ def check_request(
             404, f"model '{req.model}' is not served here; this server serves '{limits.name}' (GET /v1/models)",
             param="model", code="model_not_found",
         )  # fmt: skip
+
+
+def _check_count(req: ImageRequest, config: ServeConfig) -> None:
+    """``n`` and the seed of the first image (image k gets seed + k)."""
     if not 1 <= req.n <= config.max_images:
         raise ApiError(
-            400,
-            f"n={req.n}: ask for 1 to {config.max_images} images per request",
-            param="n",
+            400, f"n={req.n}: ask for 1 to {config.max_images} images per request", param="n",
             code="too_many_images",
-        )
+        )  # fmt: skip
+    if req.seed is not None and not 0 <= req.seed <= 2**63 - 1 - req.n:
+        raise ApiError(400, f"seed={req.seed}: use an integer from 0 to 2^63 - 1 - n", param="seed")
+
+
+def _check_prompts(req: ImageRequest, limits: ModelLimits) -> None:
+    """The prompt and the negative prompt: present, and within what the text encoder reads."""
     if not req.prompt.strip():
         raise ApiError(400, "prompt is empty; describe the image to draw", param="prompt")
     for param, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
@@ -166,54 +201,71 @@ def check_request(
                 400, f"{param} is {tokens} tokens long; the text encoder reads at most {limits.max_tokens} "
                 "(with its 2 special tokens): shorten it", param=param, code="prompt_too_long",
             )  # fmt: skip
-    height = width = limits.default_size
-    if req.size not in (None, "auto"):
-        match = _SIZE.fullmatch(req.size)
-        if not match:
-            raise ApiError(400, f'size "{req.size}": use "WIDTHxHEIGHT", e.g. "256x256"', param="size")
-        width, height = int(match.group(1)), int(match.group(2))
-        m = limits.size_multiple
-        if width % m or height % m or not width or not height:
-            raise ApiError(
-                400, f'size "{req.size}": width and height must be positive multiples of {m} for this model '
-                f"(nearest: {_nearest(width, m)}x{_nearest(height, m)})", param="size", code="invalid_size",
-            )  # fmt: skip
-        if max(width, height) > config.max_side:
-            raise ApiError(
-                400, f'size "{req.size}": the largest side this server samples is {config.max_side}',
-                param="size", code="invalid_size",
-            )  # fmt: skip
-    steps = req.steps if req.steps is not None else limits.defaults["num_inference_steps"]
+
+
+def _check_size(req: ImageRequest, limits: ModelLimits, config: ServeConfig) -> tuple[int, int]:
+    """``size`` ("WIDTHxHEIGHT", as OpenAI's) → (height, width); the model's size when absent."""
+    if req.size in (None, "auto"):
+        return limits.default_size, limits.default_size
+    try:
+        width, height = parse_size(req.size)
+    except ValueError as err:
+        raise ApiError(400, str(err), param="size", code="invalid_size") from err
+    m = limits.size_multiple
+    if width % m or height % m or not width or not height:
+        raise ApiError(
+            400, f'size "{req.size}" (WIDTHxHEIGHT): width and height must be positive multiples of {m} '
+            f"for this model (nearest: {_nearest(width, m)}x{_nearest(height, m)})", param="size",
+            code="invalid_size",
+        )  # fmt: skip
+    if max(width, height) > config.max_side:
+        raise ApiError(
+            400, f'size "{req.size}": the largest side this server samples is {config.max_side}',
+            param="size", code="invalid_size",
+        )  # fmt: skip
+    return height, width
+
+
+def _check_sampling(req: ImageRequest, limits: ModelLimits, config: ServeConfig) -> tuple[int, float, str]:
+    """Steps, guidance and sampler: the request's, else the model folder's defaults."""
+    defaults = limits.defaults
+    steps = req.steps if req.steps is not None else defaults.num_inference_steps
     if not 1 <= steps <= config.max_steps:
         raise ApiError(
-            400,
-            f"steps={steps}: use 1 to {config.max_steps} denoising steps",
-            param="steps",
+            400, f"steps={steps}: use 1 to {config.max_steps} denoising steps", param="steps",
             code="too_many_steps" if steps > config.max_steps else "invalid_value",
-        )
-    guidance = req.guidance if req.guidance is not None else float(limits.defaults["guidance_scale"])
-    if not 0 <= guidance <= 50:
+        )  # fmt: skip
+    guidance = float(req.guidance if req.guidance is not None else defaults.guidance_scale)
+    if not 0 <= guidance <= MAX_GUIDANCE:
         raise ApiError(
-            400, f"guidance={guidance}: use a scale from 0 to 50 (≤ 1 turns guidance off)", param="guidance"
-        )
-    scheduler = (req.scheduler or limits.defaults["scheduler"]).lower()
-    scheduler = {"plms": "pndm", "dpmsolver++": "dpm++", "dpm-solver++": "dpm++", "dpmpp": "dpm++"}.get(
-        scheduler, scheduler
-    )
+            400, f"guidance={guidance}: use a scale from 0 to {MAX_GUIDANCE:g} (≤ 1 turns guidance off)",
+            param="guidance",
+        )  # fmt: skip
+    asked = (req.scheduler or defaults.scheduler).lower()
+    scheduler = SCHEDULER_ALIASES.get(asked, asked)
     if scheduler not in limits.schedulers:
         raise ApiError(
-            400,
-            f"scheduler '{req.scheduler}': choose one of {', '.join(limits.schedulers)}",
+            400, f"scheduler '{req.scheduler}': choose one of {', '.join(limits.schedulers)}",
             param="scheduler",
-        )
-    upscale = req.upscale if req.upscale is not None else bool(
-        config.default_upscale if config.default_upscale is not None else limits.has_upscaler
-    )  # fmt: skip
+        )  # fmt: skip
+    return steps, guidance, scheduler
+
+
+def _check_upscale(req: ImageRequest, limits: ModelLimits, config: ServeConfig) -> bool:
+    """The request's ``upscale``, else the server's setting, else on when the model has an upscaler."""
+    upscale = req.upscale if req.upscale is not None else default_upscale(limits, config)
     if upscale and not limits.has_upscaler:
         raise ApiError(400, "upscale: this model has no upscaler; send upscale=false", param="upscale")
-    if req.seed is not None and not 0 <= req.seed <= 2**63 - 1 - req.n:
-        raise ApiError(400, f"seed={req.seed}: use an integer from 0 to 2^63 - 1 - n", param="seed")
+    return upscale
 
+
+def default_upscale(limits: ModelLimits, config: ServeConfig) -> bool:
+    """Upscale when a request does not say: the server's ``--upscale``, else as ``rapiddiff generate``."""
+    return bool(config.default_upscale if config.default_upscale is not None else limits.has_upscaler)
+
+
+def _check_images(req: ImageRequest, limits: ModelLimits) -> tuple[dict[str, Any], int]:
+    """img2img / inpainting: the decoded images and strength, and the batch key part they need."""
     extra: dict[str, Any] = {}
     image_key = 0
     for param in ("init_image", "mask_image"):
@@ -236,9 +288,16 @@ def check_request(
         if not 0 < req.strength <= 1:
             raise ApiError(400, f"strength={req.strength}: use a number in (0, 1]", param="strength")
         extra["strength"] = req.strength
+    return extra, image_key
 
-    settings = Settings(height, width, steps, float(guidance), scheduler, req.knowledge, upscale, image_key)
-    return settings, extra
+
+def _note_ignored(req: ImageRequest) -> None:
+    """OpenAI's fields with no meaning here are accepted and logged, as vLLM notes ignored fields."""
+    ignored = {name: getattr(req, name) for name in IGNORED_OPENAI_FIELDS if getattr(req, name) is not None}
+    if ignored:
+        log.info(
+            "ignored (no meaning for this model): %s", ", ".join(f"{k}={v!r}" for k, v in ignored.items())
+        )
 
 
 def _nearest(value: int, multiple: int) -> int:

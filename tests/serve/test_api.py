@@ -37,7 +37,7 @@ def cli_pngs(tmp_path, name: str, *args: str) -> list[bytes]:
 def test_openai_client_works_unchanged(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", timeout=120, max_retries=0)
-    assert [m.id for m in client.models.list()] == ["model"]
+    assert [m.id for m in client.models.list()] == ["builtin"]  # the model's name, not "model"
     result = client.images.generate(
         prompt="蓝色背景上有一个番茄", n=2, size="128x128", response_format="b64_json"
     )
@@ -70,6 +70,15 @@ def test_openai_client_works_unchanged(server):
     )
     meta = png_meta(base64.b64decode(spelled.data[0].b64_json))
     assert (meta["knowledge"], meta["knowledge_mode"]) == (True, "text")
+    # OpenAI's quality and style mean nothing for this model: accepted and ignored, not refused.
+    styled = client.images.generate(
+        prompt="一只熊猫",
+        quality="hd",
+        style="vivid",
+        response_format="b64_json",
+        extra_body={"seed": 3, "knowledge": False, "guidance": 1.0},
+    )
+    assert styled.data[0].b64_json == other.data[0].b64_json  # the same image as without them
 
 
 def test_httpx_image_is_the_clis_image_byte_for_byte(server, tmp_path):
@@ -98,8 +107,9 @@ def test_httpx_image_is_the_clis_image_byte_for_byte(server, tmp_path):
 def test_health_ready_models_settings_link(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server}/ready").json()["status"] == "ready"
-    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == "model"
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == "builtin"
     settings = httpx.get(f"{server}/v1/settings").json()
+    assert settings["model"] == "builtin"
     assert settings["size_multiple"] == 32 and settings["defaults"]["steps"] == 2
     linked = httpx.post(f"{server}/v1/link", json={"prompt": "蓝色背景上有一个番茄"}).json()
     assert [(s["surface"], s["start"], s["end"]) for s in linked["spans"]] == [
@@ -115,6 +125,7 @@ TINY_PNG = base64.b64encode(b"not a png at all").decode()
 BAD = {
     "size not a multiple": ({"size": "100x128"}, 400, "invalid_size"),
     "size too large": ({"size": "2048x2048"}, 400, "invalid_size"),
+    "size in another form": ({"size": "128 by 128"}, 400, "invalid_size"),
     "too many images": ({"n": 5}, 400, "too_many_images"),
     "too many steps": ({"steps": 101}, 400, "too_many_steps"),
     "no steps": ({"steps": 0}, 400, "invalid_value"),
