@@ -20,8 +20,8 @@ from rapiddiff.data.emoji.catalog import Emoji, read_catalogue, skip
 from rapiddiff.data.emoji.compose import (
     CAPTION_TEMPLATES,
     PROMPT_TEMPLATES,
+    CaptionIndex,
     Placement,
-    caption_vocabulary,
     compose,
     sample_placement,
 )
@@ -262,7 +262,7 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
         e.components = [c for c in e.components if c in ids]
     splits = choose_splits(emojis, cfg.seed, cfg.heldout, cfg.validation)
     split_of = {i: s for s, members in splits.items() for i in members}
-    aliases = choose_aliases(emojis, counts, caption_vocabulary())
+    aliases = choose_aliases(emojis, counts, CaptionIndex(e.zh for e in catalogue).contains)
     alias_prompts = [{"id": i, "name": a, "kind": k} for i in splits["seen"] for a, k in aliases[i]]
     seen = [e for e in emojis if split_of[e.id] == "seen"]
     items = {split: sample_items(cfg, seen, split) for split in IMAGE_SPLITS}

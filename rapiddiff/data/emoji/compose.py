@@ -5,6 +5,7 @@ Backgrounds and positions are kshapes' (palette.BACKGROUNDS, LAYOUTS), so captio
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,10 +29,44 @@ CAPTION_TEMPLATES: tuple[str, ...] = (
 PROMPT_TEMPLATES: tuple[str, ...] = ("{bg}背景上{pos}有一个{sz}{e}", "{bg}背景的{pos}有一个{sz}{e}")
 
 
-def caption_vocabulary() -> list[str]:
-    """Every caption's words besides the entity's name (an alias must occur in none of them)."""
-    fixed = [t.format(bg="", pos="", sz="", e="") for t in CAPTION_TEMPLATES]
-    return [*fixed, *BACKGROUNDS, *(p for p, _, _ in LAYOUTS["row3"]), *(s for s in SIZES if s)]
+class CaptionIndex:
+    """Whether a string can occur anywhere in a caption: inside the template text around the name,
+    inside a name, or across the boundary of the two (大 + 脑 reads 大脑). Checked through the
+    contexts of the name rather than by writing out every caption (templates × fills × names)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        fills = [
+            (t, bg, pos, sz)
+            for t in CAPTION_TEMPLATES
+            for bg in BACKGROUNDS
+            for pos, _, _ in LAYOUTS["row3"]
+            for sz in SIZES
+        ]
+        texts = {t.format(bg=bg, pos=pos, sz=sz, e="\0") for t, bg, pos, sz in fills}
+        self.before = {t.split("\0")[0] for t in texts}
+        self.after = {t.split("\0")[1] for t in texts}
+        self.names = set(names)
+        self.name_heads = {n[:i] for n in self.names for i in range(1, len(n) + 1)}
+        self.name_tails = {n[i:] for n in self.names for i in range(len(n))}
+        self.after_heads = {a[:i] for a in self.after for i in range(1, len(a) + 1)}
+        self.before_tails = {b[i:] for b in self.before for i in range(len(b))}
+
+    def _starts_a_caption_rest(self, text: str) -> bool:
+        """``text`` is how some name, then the text after it, begins."""
+        if text in self.name_heads:
+            return True
+        return any(text[:j] in self.names and text[j:] in self.after_heads for j in range(1, len(text)))
+
+    def contains(self, text: str) -> bool:
+        if any(text in n for n in self.names) or any(text in c for c in (*self.before, *self.after)):
+            return True
+        for k in range(1, len(text)):
+            head, rest = text[:k], text[k:]
+            if head in self.before_tails and self._starts_a_caption_rest(rest):
+                return True  # begins in the text before the name
+            if head in self.name_tails and rest in self.after_heads:
+                return True  # begins inside the name, ends after it
+        return False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ teach TransE nothing, and as both it would make the linker's match ambiguous.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from rapiddiff.data.emoji.catalog import Emoji
 
@@ -62,16 +62,15 @@ def kg_triples(emojis: list[Emoji], counts: Counter[str]) -> list[Triple]:
 
 
 def choose_aliases(
-    emojis: list[Emoji], counts: Counter[str], vocabulary: Iterable[str]
+    emojis: list[Emoji], counts: Counter[str], in_captions: Callable[[str], bool]
 ) -> dict[str, list[tuple[str, str]]]:
     """Emoji id → [(alias, kind)], kind "zh_hant" or "keyword". An alias is kept only when it is
-    no node of the KG, no other emoji's alias, at least two characters, and inside no emoji name
-    and no caption word (``vocabulary``), so no training caption ever contains it."""
+    no node of the KG, no other emoji's alias, at least two characters, and such that no caption
+    can contain it (``in_captions``: compose.CaptionIndex.contains)."""
     names = [e.zh for e in emojis]
     nodes = set(names) | {k for e in emojis for k in e.keywords if counts[k] > 1}
     nodes |= {e.category_zh for e in emojis} | {e.subcategory_zh for e in emojis}
     nodes |= {e.region for e in emojis if e.region}
-    words = [*names, *vocabulary]
     proposed: dict[str, list[tuple[str, str]]] = {}
     owners: Counter[str] = Counter()
     for e in emojis:
@@ -79,7 +78,7 @@ def choose_aliases(
         items += [(k, "keyword") for k in e.keywords if counts[k] == 1]
         first = dict(reversed(items))  # alias → its first kind (a zh-Hant name may be a keyword too)
         kept = [(a, first[a]) for a in dict.fromkeys(a for a, _ in items)]
-        kept = [(a, k) for a, k in kept if a not in nodes and len(a) >= 2 and not any(a in w for w in words)]
+        kept = [(a, k) for a, k in kept if a not in nodes and len(a) >= 2 and not in_captions(a)]
         proposed[e.id] = kept
         owners.update({a for a, _ in kept})
     return {ident: [a for a in items if owners[a[0]] == 1] for ident, items in proposed.items()}

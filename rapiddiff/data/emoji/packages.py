@@ -25,6 +25,15 @@ REQUIRED: dict[str, str] = {
     "emojibase-data": "Chinese labels of the emoji subcategories",
     "cldr-misc-full": "CLDR's Chinese labels of the emoji categories",
 }
+# What the builder reads of each package (paths under package/): a tarball is unpacked only there.
+MEMBERS: dict[str, tuple[str, ...]] = {
+    "emoji-datasource-google": ("emoji.json", "img/google/64/"),
+    "emoji-datasource-twitter": ("emoji.json", "img/twitter/64/"),
+    "cldr-annotations-full": ("annotations/zh/", "annotations/zh-Hant/"),
+    "cldr-annotations-derived-full": ("annotationsDerived/zh/", "annotationsDerived/zh-Hant/"),
+    "emojibase-data": ("zh/messages.json",),
+    "cldr-misc-full": ("main/zh/characterLabels.json",),
+}
 STYLES: dict[str, str] = {"google": "emoji-datasource-google", "twitter": "emoji-datasource-twitter"}
 _TARBALL = re.compile(r"^(?P<name>.+?)-(?P<version>\d+\.\d+\.\d+[^/]*)\.tgz$")
 
@@ -68,13 +77,15 @@ def _candidates(path: Path) -> list[Path]:
     return found
 
 
-def _extract(tarball: Path, cache: Path) -> Path:
-    """Unpack an npm tarball once into ``cache`` (tarfile's "data" filter refuses unsafe paths)."""
+def _extract(tarball: Path, name: str, cache: Path) -> Path:
+    """Unpack what the builder reads of an npm tarball (:data:`MEMBERS`, package.json, LICENSE)
+    into ``cache``; tarfile's "data" filter refuses unsafe paths."""
     target = cache / tarball.stem
-    if not (target / "package" / "package.json").is_file():
-        log.info("extracting %s", tarball)
-        with tarfile.open(tarball) as archive:
-            archive.extractall(target, filter="data")
+    wanted = ("package/package.json", "package/LICEN", *(f"package/{m}" for m in MEMBERS.get(name, ("",))))
+    log.info("extracting %s", tarball)
+    with tarfile.open(tarball) as archive:
+        members = [m for m in archive if m.name.startswith(wanted)]
+        archive.extractall(target, members=members, filter="data")
     return target / "package"
 
 
@@ -100,7 +111,7 @@ def find_packages(
             found[name] = folders[name]
         elif name in tarballs:
             tarball, version = tarballs[name]
-            found[name] = Package(name, version, _extract(tarball, cache), str(tarball))
+            found[name] = Package(name, version, _extract(tarball, name, cache), str(tarball))
     missing = [n for n in names if n not in found]
     if missing:
         lines = "\n".join(f"  {n}: {REQUIRED.get(n, '')} — get it with `npm pack {n}`" for n in missing)
