@@ -208,3 +208,12 @@ def test_caption_index_sees_names_joined_to_template_words():
     assert index.contains("红柿") and index.contains("背景") and index.contains("存在")  # "存在浅蓝色背景的…"
     assert index.contains("个西红")  # "一个西红柿"
     assert not index.contains("番茄") and not index.contains("脑袋")
+
+
+def test_only_eligible_entities_are_held_out_and_the_shares_stay_shares_of_all():
+    emojis = _fake(10, 20)
+    eligible = {e.id for i, e in enumerate(emojis) if i % 2}
+    splits = choose_splits(emojis, 0, 0.10, 0.05, eligible=lambda e: e.id in eligible)
+    assert set(splits["heldout"]) | set(splits["val"]) <= eligible
+    assert (len(splits["heldout"]), len(splits["val"])) == (20, 10)
+    assert len(Counter(e.subcategory for e in emojis if e.id in splits["heldout"])) == 10

@@ -260,9 +260,13 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
     ids = set(e.id for e in emojis)
     for e in emojis:
         e.components = [c for c in e.components if c in ids]
-    splits = choose_splits(emojis, cfg.seed, cfg.heldout, cfg.validation)
+    index = CaptionIndex(e.zh for e in catalogue)
+    # A name that other captions spell (大笑 in 哈哈大笑, or 大 + 笑脸) cannot be held out of them.
+    splits = choose_splits(
+        emojis, cfg.seed, cfg.heldout, cfg.validation, lambda e: not index.contains(e.zh, e.zh)
+    )
     split_of = {i: s for s, members in splits.items() for i in members}
-    aliases = choose_aliases(emojis, counts, CaptionIndex(e.zh for e in catalogue).contains)
+    aliases = choose_aliases(emojis, counts, index.contains)
     alias_prompts = [{"id": i, "name": a, "kind": k} for i in splits["seen"] for a, k in aliases[i]]
     seen = [e for e in emojis if split_of[e.id] == "seen"]
     items = {split: sample_items(cfg, seen, split) for split in IMAGE_SPLITS}

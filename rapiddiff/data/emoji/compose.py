@@ -57,8 +57,11 @@ class CaptionIndex:
             return True
         return any(text[:j] in self.names and text[j:] in self.after_heads for j in range(1, len(text)))
 
-    def contains(self, text: str) -> bool:
-        if any(text in n for n in self.names) or any(text in c for c in (*self.before, *self.after)):
+    def contains(self, text: str, ignore: str | None = None) -> bool:
+        """Whether ``text`` can occur in a caption (``ignore``: a name whose own captions do not count)."""
+        if any(text in n for n in self.names if n != ignore) or any(
+            text in c for c in (*self.before, *self.after)
+        ):
             return True
         for k in range(1, len(text)):
             head, rest = text[:k], text[k:]

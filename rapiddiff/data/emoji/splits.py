@@ -7,7 +7,7 @@ every k-th entity of the list grouped by subcategory, so each subcategory gives 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rapiddiff.data.emoji.catalog import Emoji
 
@@ -52,13 +52,22 @@ def choose_subset(
     return [e for e in emojis if e.id in chosen]
 
 
-def choose_splits(emojis: list[Emoji], seed: int, heldout: float, validation: float) -> dict[str, list[str]]:
+def choose_splits(
+    emojis: list[Emoji],
+    seed: int,
+    heldout: float,
+    validation: float,
+    eligible: Callable[[Emoji], bool] | None = None,
+) -> dict[str, list[str]]:
     """{"seen", "heldout", "val"} → ids: every k-th entity of the list grouped by subcategory is
-    held out, then every k-th of the rest is for validation (at least one each when there are ≥ 3)."""
-    grouped = sorted(emojis, key=lambda e: (e.subcategory, _key(seed, "split", e.id)))
-    picked_h = _every(grouped, heldout, seed)
+    held out, then every k-th of the rest is for validation (at least one each when there are ≥ 3).
+    Only ``eligible`` entities may be held out or validation (the shares stay shares of all)."""
+    pool = [e for e in emojis if eligible is None or eligible(e)]
+    grouped = sorted(pool, key=lambda e: (e.subcategory, _key(seed, "split", e.id)))
+    scale = len(emojis) / max(1, len(grouped))
+    picked_h = _every(grouped, min(1.0, heldout * scale), seed)
     rest = [e for e in grouped if e.id not in picked_h]
-    picked_v = _every(rest, validation / max(1e-9, 1 - heldout), seed + 1)
+    picked_v = _every(rest, min(1.0, validation * len(emojis) / max(1, len(rest))), seed + 1)
     ids = [e.id for e in emojis]
     return {
         "seen": [i for i in ids if i not in picked_h and i not in picked_v],
