@@ -11,8 +11,8 @@ from PIL import Image
 EMOJI = [
     ("1F345", "Food & Drink", "food-fruit", "西红柿", ["水果", "番茄", "蔬菜", "西红柿"], "番茄"),
     ("1F34E", "Food & Drink", "food-fruit", "红苹果", ["水果", "苹果"], "紅蘋果"),
-    ("1F34C", "Food & Drink", "food-fruit", "香蕉", ["水果", "芭蕉"], None),
-    ("1F347", "Food & Drink", "food-fruit", "葡萄", ["水果", "提子"], None),
+    ("1F34C", "Food & Drink", "food-fruit", "香蕉", ["水果", "芭蕉", "上"], None),
+    ("1F347", "Food & Drink", "food-fruit", "葡萄", ["水果", "提子", "上"], None),
     ("1F349", "Food & Drink", "food-fruit", "西瓜", ["水果", "瓜"], None),
     ("1F34B", "Food & Drink", "food-fruit", "柠檬", ["水果", "酸"], "檸檬"),
     ("1F373", "Food & Drink", "food-prepared", "煎蛋", ["煎", "早餐"], None),

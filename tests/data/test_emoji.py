@@ -87,6 +87,9 @@ def test_kg_parses_with_the_projects_reader_and_holds_the_relations(built):
     assert {("男厨师", "组成", "男人"), ("男厨师", "组成", "煎蛋"), ("中国旗帜", "地区", "中国")} <= triples
     assert ("男厨师", "关键词", "厨师") in triples  # shared by two emoji: a node
     assert not any(t == "番茄" for _, _, t in triples)  # names one emoji only: an alias, not a node
+    assert not any(
+        t == "上" for _, _, t in triples
+    )  # a caption word ("背景上"): the linker would find it everywhere
     assert "番茄" in aliases["西红柿"] and {"猫熊", "胖达", "熊貓"} <= set(aliases["熊猫"])
     every_alias = [a for al in aliases.values() for a in al]
     assert len(every_alias) == len(set(every_alias)) and not set(every_alias) & names

@@ -277,7 +277,7 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
         for style, path in e.images.items():
             (out / "glyphs" / style).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, out / "glyphs" / style / f"{e.id}.png")
-    triples = kg_triples(emojis, counts)
+    triples = kg_triples(emojis, counts, index.in_template)
     atomic_write_text(out / "kg" / "triples.tsv", "# emoji-zh knowledge graph: head<TAB>relation<TAB>tail\n"
                       + "".join("\t".join(t) + "\n" for t in triples))  # fmt: skip
     atomic_write_text(out / "kg" / "aliases.tsv", aliases_tsv(emojis, aliases))

@@ -57,6 +57,10 @@ class CaptionIndex:
             return True
         return any(text[:j] in self.names and text[j:] in self.after_heads for j in range(1, len(text)))
 
+    def in_template(self, text: str) -> bool:
+        """Whether ``text`` occurs in the caption words around the name (背景, 上, 左边, 浅蓝色)."""
+        return any(text in c for c in (*self.before, *self.after))
+
     def contains(self, text: str, ignore: str | None = None) -> bool:
         """Whether ``text`` can occur in a caption (``ignore``: a name whose own captions do not count)."""
         if any(text in n for n in self.names if n != ignore) or any(

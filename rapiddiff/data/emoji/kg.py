@@ -39,9 +39,11 @@ def _label_names(emojis: list[Emoji]) -> tuple[dict[str, str], dict[str, str]]:
     return categories, subcategories
 
 
-def kg_triples(emojis: list[Emoji], counts: Counter[str]) -> list[Triple]:
+def kg_triples(emojis: list[Emoji], counts: Counter[str], in_template: Callable[[str], bool]) -> list[Triple]:
     """All triples, emoji by emoji in sort order (``counts``: keyword → emoji it names, over the
-    whole catalogue, so a slice has the same shared keywords as the full set)."""
+    whole catalogue, so a slice has the same shared keywords as the full set). A keyword that
+    the caption words around a name contain (上, 蓝色 in 浅蓝色背景上) is no node: the linker would
+    find it in every caption and add its knowledge there."""
     categories, subcategories = _label_names(emojis)
     name_of = {e.id: e.zh for e in emojis}
     triples: list[Triple] = []
@@ -54,7 +56,7 @@ def kg_triples(emojis: list[Emoji], counts: Counter[str]) -> list[Triple]:
         if e.subcategory not in seen_sub:
             seen_sub.add(e.subcategory)
             triples.append((subcategories[e.subcategory], PARENT, categories[e.category]))
-        triples += [(e.zh, KEYWORD, k) for k in e.keywords if counts[k] > 1]
+        triples += [(e.zh, KEYWORD, k) for k in e.keywords if counts[k] > 1 and not in_template(k)]
         triples += [(e.zh, COMPONENT, name_of[c]) for c in e.components if c in name_of]
         if e.region:
             triples.append((e.zh, REGION, e.region))
