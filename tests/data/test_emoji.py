@@ -208,7 +208,7 @@ def test_caption_index_sees_names_joined_to_template_words():
     from rapiddiff.data.emoji.compose import CaptionIndex
 
     index = CaptionIndex(["脑", "西红柿", "存"])
-    assert index.contains("大脑")  # "大脑，深绿色背景": the size word before the name
+    assert index.contains("的脑")  # "大的脑，深绿色背景": the size word before the name
     assert index.contains("红柿") and index.contains("背景") and index.contains("存在")  # "存在浅蓝色背景的…"
     assert index.contains("个西红")  # "一个西红柿"
     assert not index.contains("番茄") and not index.contains("脑袋")

@@ -20,6 +20,7 @@ from rapiddiff.data.emoji.catalog import Emoji, read_catalogue, skip
 from rapiddiff.data.emoji.compose import (
     CAPTION_TEMPLATES,
     PROMPT_TEMPLATES,
+    SIZE_TEXT,
     CaptionIndex,
     Placement,
     compose,
@@ -136,7 +137,7 @@ class Item:
         e, p = self.entity, self.place
         return {
             "file_name": self.file_name,
-            "text": self.template.format(bg=p.background, pos=p.position, sz=p.size, e=e.zh),
+            "text": self.template.format(bg=p.background, pos=p.position, sz=SIZE_TEXT[p.size], e=e.zh),
             "entity": e.id,
             "name": e.zh,
             "style": self.style,
@@ -178,7 +179,7 @@ def _prompts(
         for k in range(cfg.prompts_per_entity):
             p = sample_placement(rng)
             text = PROMPT_TEMPLATES[k % len(PROMPT_TEMPLATES)].format(
-                bg=p.background, pos=p.position, sz=p.size, e=name
+                bg=p.background, pos=p.position, sz=SIZE_TEXT[p.size], e=name
             )
             row = {"text": text, "entity": e.id, "name": e.zh, "split": split, "background": p.background,
                    "position": p.position, "size": p.size or "中", "category": e.category, "subcategory": e.subcategory}  # fmt: skip

@@ -15,8 +15,11 @@ from rapiddiff.data.kshapes.palette import BACKGROUNDS, LAYOUTS
 
 # Size word → object width in units of the image width (the middle size is not named in captions).
 SIZES: dict[str, float] = {"小": 0.30, "": 0.38, "大": 0.46}
+# What a caption says for a size: "的" keeps the size word apart from the name, since a bare one
+# can make another word of it (一个小熊猫 is a red panda, 大 + 脑 is a brain).
+SIZE_TEXT: dict[str, str] = {"小": "小的", "": "", "大": "大的"}
 
-# {bg}: background, {pos}: position, {sz}: size word ("" for the middle size), {e}: the zh name.
+# {bg}: background, {pos}: position, {sz}: SIZE_TEXT ("" for the middle size), {e}: the zh name.
 CAPTION_TEMPLATES: tuple[str, ...] = (
     "{bg}背景上{pos}有一个{sz}{e}",
     "{pos}有一个{sz}{e}",
@@ -42,7 +45,7 @@ class CaptionIndex:
             for pos, _, _ in LAYOUTS["row3"]
             for sz in SIZES
         ]
-        texts = {t.format(bg=bg, pos=pos, sz=sz, e="\0") for t, bg, pos, sz in fills}
+        texts = {t.format(bg=bg, pos=pos, sz=SIZE_TEXT[sz], e="\0") for t, bg, pos, sz in fills}
         self.before = {t.split("\0")[0] for t in texts}
         self.after = {t.split("\0")[1] for t in texts}
         self.names = set(names)
