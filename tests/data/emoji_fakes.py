@@ -27,6 +27,8 @@ EMOJI = [
     ("1F469", "People & Body", "person", "女人", ["女", "成人"], None),
     ("1F468-200D-1F373", "People & Body", "person-role", "男厨师", ["男", "大厨", "厨师"], "男廚師"),
     ("1F469-200D-1F373", "People & Body", "person-role", "女厨师", ["女", "大厨", "厨师"], "女廚師"),
+    ("1F642", "Smileys & Emotion", "face-smiling", "笑脸", ["微笑", "开心"], None),
+    ("1F600", "Smileys & Emotion", "face-smiling", "嘿嘿", ["开心", "大笑"], "笑臉"),  # → 笑脸 normalised
     ("1F1E8-1F1F3", "Flags", "country-flag", None, None, None),  # derived: 旗: 中国
     ("1F1EF-1F1F5", "Flags", "country-flag", None, None, None),  # derived: 旗: 日本
     ("1F1EB-1F1F7", "Flags", "country-flag", None, None, None),  # derived: 旗: 法国

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from rapiddiff.data.emoji.catalog import Emoji
+from rapiddiff.kg.normalize import normalize
 
 Triple = tuple[str, str, str]
 CATEGORY, SUBCATEGORY, KEYWORD, COMPONENT, REGION, PARENT = "类别", "子类", "关键词", "组成", "地区", "属于"
@@ -67,12 +68,15 @@ def choose_aliases(
     emojis: list[Emoji], counts: Counter[str], in_captions: Callable[[str], bool]
 ) -> dict[str, list[tuple[str, str]]]:
     """Emoji id → [(alias, kind)], kind "zh_hant" or "keyword". An alias is kept only when it is
-    no node of the KG, no other emoji's alias, at least two characters, and such that no caption
-    can contain it (``in_captions``: compose.CaptionIndex.contains)."""
+    no node of the KG (nor normalises to another node's name), no other emoji's alias, at least
+    two characters, and such that no caption can contain it (``in_captions``: compose.CaptionIndex.contains)."""
     names = [e.zh for e in emojis]
     nodes = set(names) | {k for e in emojis for k in e.keywords if counts[k] > 1}
     nodes |= {e.category_zh for e in emojis} | {e.subcategory_zh for e in emojis}
     nodes |= {e.region for e in emojis if e.region}
+    # The linker compares names in normalised form (笑臉 → 笑脸): an alias whose form is another
+    # node's would link to that node, not to its emoji.
+    forms = {normalize(n) for n in nodes}
     proposed: dict[str, list[tuple[str, str]]] = {}
     owners: Counter[str] = Counter()
     for e in emojis:
@@ -80,10 +84,18 @@ def choose_aliases(
         items += [(k, "keyword") for k in e.keywords if counts[k] == 1]
         first = dict(reversed(items))  # alias → its first kind (a zh-Hant name may be a keyword too)
         kept = [(a, first[a]) for a in dict.fromkeys(a for a, _ in items)]
-        kept = [(a, k) for a, k in kept if a not in nodes and len(a) >= 2 and not in_captions(a)]
+        own = normalize(e.zh)
+        kept = [
+            (a, k)
+            for a, k in kept
+            if a not in nodes
+            and (normalize(a) == own or normalize(a) not in forms)
+            and len(a) >= 2
+            and not in_captions(a)
+        ]
         proposed[e.id] = kept
-        owners.update({a for a, _ in kept})
-    return {ident: [a for a in items if owners[a[0]] == 1] for ident, items in proposed.items()}
+        owners.update({normalize(a) for a, _ in kept})
+    return {ident: [a for a in items if owners[normalize(a[0])] == 1] for ident, items in proposed.items()}
 
 
 def aliases_tsv(emojis: list[Emoji], aliases: dict[str, list[tuple[str, str]]]) -> str:
