@@ -1,4 +1,4 @@
-"""``rapiddiff data <command>``: dataset tools (kshapes benchmark, inspect, prepare).
+"""``rapiddiff data <command>``: dataset tools (kshapes benchmark, emoji-zh, inspect, prepare).
 
 Heavy imports (torch, datasets, PIL) stay inside the command functions so ``--help`` is instant.
 """
@@ -56,6 +56,41 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     ks.add_argument("--overwrite", action="store_true", help="replace kshapes files already in --out")
     ks.set_defaults(func=_kshapes)
+
+    emo = sub.add_parser(
+        "emoji",
+        help="build emoji-zh: real emoji artwork and CLDR Chinese names → images, captions, KG, splits",
+        description=(
+            "Build the emoji-zh folder from installed npm packages (folders or `npm pack` tarballs given "
+            "with --package; nothing is downloaded): composed images with Chinese captions in train/ val/ "
+            "test/, the KG in kg/, the artwork in glyphs/, entities.jsonl, splits.json (seen, held-out, "
+            "validation entities and alias prompts), prompts.jsonl, LICENSES/, ATTRIBUTION.md and "
+            "build.json. Defaults are those of configs/data/emoji.yaml; options override them."
+        ),
+    )
+    emo.add_argument(
+        "--out", type=Path, required=True, help="output folder (must be empty or new, see --overwrite)"
+    )
+    emo.add_argument(
+        "--package",
+        dest="packages",
+        action="append",
+        default=None,
+        help="a folder or .tgz holding the npm packages (repeatable; default: $RAPIDDIFF_EMOJI_PACKAGES)",
+    )
+    emo.add_argument("--config", type=Path, default=None, help="a YAML file of EmojiConfig settings")
+    emo.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
+    emo.add_argument("--limit", type=int, default=None, help="use N emoji, stratified by subcategory")
+    emo.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        help="an emoji (id or character) a --limit slice must hold",
+    )
+    emo.add_argument("--size", type=int, default=None, help="image size in pixels (default 128)")
+    emo.add_argument("--train-per-entity", type=int, default=None, help="training images per seen entity (8)")
+    emo.add_argument("--overwrite", action="store_true", help="replace emoji files already in --out")
+    emo.set_defaults(func=_emoji)
 
     ins = sub.add_parser(
         "inspect",
@@ -143,6 +178,33 @@ def _kshapes(args: argparse.Namespace) -> int:
     except FileExistsError as err:
         raise ValueError(str(err)) from err
     print(json.dumps(summary, ensure_ascii=False, indent=1))
+    return 0
+
+
+def _emoji(args: argparse.Namespace) -> int:
+    import os
+
+    from rapiddiff.data.emoji import EmojiConfig, build_emoji
+    from rapiddiff.utils.config import load_config
+
+    packages = args.packages or [
+        p for p in os.environ.get("RAPIDDIFF_EMOJI_PACKAGES", "").split(os.pathsep) if p
+    ]
+    given = {
+        "out": args.out,
+        "packages": packages or None,
+        "seed": args.seed,
+        "limit": args.limit,
+        "include": args.include,
+        "size": args.size,
+        "train_per_entity": args.train_per_entity,
+    }
+    cfg = load_config(EmojiConfig, args.config, **{k: v for k, v in given.items() if v is not None})
+    try:
+        summary = build_emoji(cfg, overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise ValueError(str(err)) from err
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, ensure_ascii=False, indent=1))
     return 0
 
 

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from rapiddiff.data.emoji import EmojiConfig
 from rapiddiff.data.kshapes import KShapesConfig
 from rapiddiff.data.loader import ImageTextDataConfig
 from rapiddiff.utils.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
 # file name → schema; every other YAML here is an ImageTextDataConfig.
-SCHEMAS = {"kshapes.yaml": KShapesConfig}
+SCHEMAS = {"kshapes.yaml": KShapesConfig, "emoji.yaml": EmojiConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -1,0 +1,66 @@
+"""Licences and attributions of the emoji data, written into the data folder and copied into
+every model folder trained on it (:func:`copy_licenses`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rapiddiff.data.emoji.packages import Package
+
+LICENSES_DIR, ATTRIBUTION = "LICENSES", "ATTRIBUTION.md"
+# The artwork's licences are not in the npm packages (emoji-datasource's LICENSE is MIT for its
+# data files); Debian's copy of Apache-2.0 is added where the machine has it.
+APACHE_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
+
+ATTRIBUTION_TEXT = """# Attribution
+
+This data set was built by `rapiddiff data emoji` from the packages below. Its images are
+compositions of their artwork; its names, keywords and knowledge graph come from CLDR.
+
+- **Noto Color Emoji** artwork (style `google`, via npm `emoji-datasource-google` {google}):
+  Copyright Google Inc., licensed under the Apache License 2.0
+  (https://www.apache.org/licenses/LICENSE-2.0; text in LICENSES/Apache-2.0 where present).
+- **Twemoji** artwork (style `twitter`, via npm `emoji-datasource-twitter` {twitter}):
+  Copyright Twitter, Inc. and other contributors, licensed under CC-BY 4.0
+  (https://creativecommons.org/licenses/by/4.0/). Images were resized and placed on backgrounds.
+- **emoji-datasource** data files (emoji.json): MIT licence, Copyright Cal Henderson
+  (LICENSES/emoji-datasource-google.LICENSE).
+- **Unicode CLDR** annotations and character labels (npm `cldr-annotations-full`,
+  `cldr-annotations-derived-full`, `cldr-misc-full`): Unicode License v3
+  (LICENSES/cldr-*.LICENSE). Copyright © Unicode, Inc.
+- **emojibase-data** (Chinese subcategory labels): MIT licence, Copyright Miles Johnson
+  (LICENSES/emojibase-data.LICENSE).
+
+A model trained on this data must keep this file and LICENSES/ beside its weights.
+"""
+
+
+def write_licenses(out: Path, packages: dict[str, Package]) -> list[str]:
+    """LICENSES/<package>.LICENSE for every package (and Apache-2.0's text), ATTRIBUTION.md."""
+    folder = out / LICENSES_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, package in sorted(packages.items()):
+        source = next((p for p in sorted(package.root.glob("LICEN[CS]E*")) if p.is_file()), None)
+        if source is None:
+            raise FileNotFoundError(f"{package.root}: {name} ships no LICENSE file; is the package complete?")
+        shutil.copyfile(source, folder / f"{name}.LICENSE")
+        written.append(f"{name}.LICENSE")
+    if APACHE_TEXT.is_file():
+        shutil.copyfile(APACHE_TEXT, folder / "Apache-2.0")
+        written.append("Apache-2.0")
+    versions = {k: packages[f"emoji-datasource-{k}"].version for k in ("google", "twitter")}
+    (out / ATTRIBUTION).write_text(ATTRIBUTION_TEXT.format(**versions), encoding="utf-8")
+    return written
+
+
+def copy_licenses(data_dir: str | Path, model_dir: str | Path) -> None:
+    """Copy LICENSES/ and ATTRIBUTION.md of an emoji data folder into a model folder (no-op for a
+    data folder without them, e.g. kshapes)."""
+    data_dir, model_dir = Path(data_dir), Path(model_dir)
+    if not (data_dir / ATTRIBUTION).is_file():
+        return
+    model_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(data_dir / ATTRIBUTION, model_dir / ATTRIBUTION)
+    shutil.copytree(data_dir / LICENSES_DIR, model_dir / LICENSES_DIR, dirs_exist_ok=True)

@@ -1,0 +1,55 @@
+"""emoji-zh from the REAL npm packages: a slice of a few dozen emoji, real names and relations.
+
+Set RAPIDDIFF_EMOJI_PACKAGES to a folder holding the packages (folders or `npm pack` tarballs;
+.ci/run fetches them). Skipped locally without it; on CI (CI=true) its absence is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rapiddiff.data.emoji import EmojiConfig, build_emoji
+from rapiddiff.kg.triples import read_aliases, read_triples
+
+FOLDER = os.environ.get("RAPIDDIFF_EMOJI_PACKAGES")
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    if not FOLDER:
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "CI=true but RAPIDDIFF_EMOJI_PACKAGES is unset: .ci/run must fetch the emoji packages"
+            )
+        pytest.skip("RAPIDDIFF_EMOJI_PACKAGES is unset (a folder with the emoji npm packages)")
+    out = tmp_path_factory.mktemp("emoji_real") / "out"
+    cfg = EmojiConfig(out=out, packages=FOLDER.split(os.pathsep), limit=40, include=["🍅", "👨‍🍳", "🐼"],
+                      train_per_entity=2)  # fmt: skip
+    return build_emoji(cfg, progress=False), out
+
+
+def test_real_names_aliases_and_relations(real):
+    summary, out = real
+    entities = {
+        e["id"]: e for e in map(json.loads, (out / "entities.jsonl").read_text(encoding="utf-8").splitlines())
+    }
+    assert summary["counts"]["catalogue"] > 1800 and len(entities) == 40
+    assert (entities["1f345"]["zh"], entities["1f345"]["zh_hant"]) == ("西红柿", "番茄")
+    assert entities["1f43c"]["zh"] == "熊猫" and "猫熊" in entities["1f43c"]["unique_keywords"]
+    triples = set(read_triples(out / "kg" / "triples.tsv"))
+    assert {("男厨师", "组成", "男人"), ("男厨师", "组成", "煎蛋")} <= triples
+    assert ("西红柿", "类别", entities["1f345"]["category_zh"]) in triples
+    names = {h for h, _, _ in triples} | {t for _, _, t in triples}
+    aliases = read_aliases(out / "kg" / "aliases.tsv", entities=names)
+    assert "番茄" in aliases["西红柿"]
+    splits = json.loads((out / "splits.json").read_text(encoding="utf-8"))
+    captions = (out / "train" / "metadata.jsonl").read_text(encoding="utf-8")
+    assert {"西红柿", "熊猫"} & {entities[i]["zh"] for i in splits["seen"]}
+    for prompt in splits["alias_prompts"]:
+        assert prompt["name"] not in captions
+    for ident in splits["heldout"] + splits["val"]:
+        assert f'"entity": "{ident}"' not in captions
+    assert all(len(e["styles"]) >= 2 for e in entities.values())
