@@ -31,7 +31,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.triples import _check_fields, group_triples, write_triples_array
+from rapiddiff.kg.linker_index import STORE_INDEX, surface_index, write_store_index
+from rapiddiff.kg.normalize import normalize
+from rapiddiff.kg.triples import check_fields, group_triples, write_triples_array
 from rapiddiff.utils.io import atomic_open, atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -71,6 +73,8 @@ _KEY = "embeddings"
 
 class KnowledgeStore:
     """Entities (names, aliases, vectors), relations (names, vectors) and facts of one KG."""
+
+    ENTITIES_FILE = ENTITIES  # for the linker's index, which identifies a store by this file
 
     def __init__(
         self,
@@ -133,7 +137,7 @@ class KnowledgeStore:
                     if n in seen:
                         raise ValueError(f"{label} names must be unique; {n!r} appears twice")
                     seen.add(n)
-            _check_fields(items, f"{label} name")
+            check_fields(items, f"{label} name")
         if aliases is None:
             alias_lists: list[list[str]] = [[] for _ in names]
         elif isinstance(aliases, Mapping):
@@ -147,7 +151,7 @@ class KnowledgeStore:
                 raise ValueError(f"aliases must have one list per entity ({len(names)}), got {len(aliases)}")
             alias_lists = [list(a) for a in aliases]
         all_aliases = [a for items in alias_lists for a in items]
-        _check_fields(all_aliases, "alias")
+        check_fields(all_aliases, "alias")
         if "|" in "\x00".join(all_aliases):
             bad = next(a for a in all_aliases if "|" in a)
             raise ValueError(f"alias {bad!r} contains '|', the alias separator of entities.tsv")
@@ -240,8 +244,6 @@ class KnowledgeStore:
         self.config = config
         # Last: the store is complete without it, should its build run out of memory. Taken from
         # the folder the store was loaded from where that has a matching one (self.path, still).
-        from rapiddiff.kg.linker import STORE_INDEX, write_store_index
-
         if len(self) >= LINKER_MIN_ENTITIES if linker is None else linker:
             write_store_index(self, path)
         elif (path / STORE_INDEX).exists():
@@ -464,11 +466,8 @@ class KnowledgeStore:
         if key_id is not None:
             return int(ids[key_id])
         if self._norm_index is None:  # built only when an exact lookup misses
-            from rapiddiff.kg.linker import _surface_index
-
-            norm_trie, norm_ids, *_ = _surface_index(self.forms())
+            norm_trie, norm_ids, *_ = surface_index(self.forms())
             self._norm_index = (norm_trie, norm_ids)
-        from rapiddiff.kg.normalize import normalize
 
         norm_trie, norm_ids = self._norm_index
         key_id = norm_trie.get(normalize(name_or_alias.strip()))
