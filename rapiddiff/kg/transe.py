@@ -243,7 +243,19 @@ def coverage_split(factory: Any, ratios: list[float], seed: int) -> list[Any]:
     del rows, first
     train_seed, remaining = mapped[seed_mask], mapped[~seed_mask]
     if len(train_seed) > sizes[0]:
-        raise ValueError(f"could not cover every entity and relation with {sizes[0]} training triples")
+        sizes = _covering_sizes(n, len(train_seed), ratios)
+        log.warning(
+            "%d triples: a training part of %.0f%% (%d) cannot hold one triple of each of the %d "
+            "entities and %d relations (%d needed); split as %d train / %d validation / %d test instead. "
+            "A larger KG, or a larger first 'split' ratio, keeps the configured split.",
+            n,
+            100 * ratios[0] / sum(ratios),
+            get_absolute_split_sizes(n_total=n, ratios=normalize_ratios(ratios))[0],
+            factory.num_entities,
+            factory.num_relations,
+            len(train_seed),
+            *sizes,
+        )
     sizes = [sizes[0] - len(train_seed), *sizes[1:]]
     permutation = torch.randperm(len(remaining), generator=ensure_torch_random_state(seed))
     # index_select: the same rows as pykeen's remaining[part], 3x faster than advanced indexing
@@ -254,6 +266,32 @@ def coverage_split(factory: Any, ratios: list[float], seed: int) -> list[Any]:
         factory.clone_and_exchange_triples(mapped_triples=t, create_inverse_triples=None if i == 0 else False)
         for i, t in enumerate(parts)
     ]
+
+
+def _covering_sizes(n: int, needed: int, ratios: list[float]) -> list[int]:
+    """Split sizes for a KG too small for its ratios: the ``needed`` covering triples train, the
+    rest is held out, validation and test in their configured proportion."""
+    held = n - needed
+    validation = int(held * ratios[1] / (ratios[1] + ratios[2]))
+    return [needed, validation, held - validation]
+
+
+def _held_out_or_training(dataset: Any) -> tuple[Any, str | None]:
+    """``dataset`` with an empty test part replaced by the training triples (and an empty
+    validation part by the test part), and a note saying so; a KG whose every triple covers an
+    entity or relation has nothing to hold out, yet still trains."""
+    from pykeen.datasets.base import EagerDataset
+
+    testing, validation, note = dataset.testing, dataset.validation, None
+    if testing.num_triples == 0:
+        testing, note = dataset.training, "on the training triples (the KG is too small to hold any out)"
+    if validation.num_triples == 0:
+        validation = testing
+        note = note or "early stopping on the test triples (the KG is too small for a validation part)"
+    if note is None:
+        return dataset, None
+    log.warning("TransE metrics %s", note)
+    return EagerDataset(training=dataset.training, testing=testing, validation=validation), note
 
 
 def _metrics(metric_results: Any) -> dict[str, float]:
@@ -324,6 +362,7 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
     loading = time.perf_counter()
     skipped: Skipped | None = [] if cfg.bad_lines == "skip" else None
     dataset, full, aliases = _load_data(cfg, skipped)
+    dataset, held_out_note = _held_out_or_training(dataset)
     load_seconds = time.perf_counter() - loading
     log.info(
         "data: %d entities, %d relations; %d train / %d validation / %d test triples",
@@ -391,7 +430,8 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
         model="TransE",
         scoring_norm=cfg.scoring_norm,
         metrics={k: metrics[k] for k in ("mrr", "mean_rank", "hits_at_1", "hits_at_3", "hits_at_10")},
-        evaluation="filtered rank-based link prediction on the test triples (head and tail), pykeen",
+        evaluation="filtered rank-based link prediction on the test triples (head and tail), pykeen"
+        + (f"; {held_out_note}" if held_out_note else ""),
         training={**metrics, "config": config_to_dict(cfg)},
         vectors_from="all triples (train_on_all)" if cfg.train_on_all else "training split",
         source=cfg.dataset or str(cfg.triples),
