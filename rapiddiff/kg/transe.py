@@ -106,6 +106,12 @@ class TransEConfig:
     fact in the vectors. The saved metrics stay those of the held-out run."""
 
     def __post_init__(self) -> None:
+        self._check_source()
+        self._check_training()
+        self._check_evaluation()
+        self._check_smoothing()
+
+    def _check_source(self) -> None:
         if (self.dataset is None) == (self.triples is None):
             raise ValueError(
                 "give exactly one of 'dataset' (a pykeen dataset name) or 'triples' (a TSV file)"
@@ -116,6 +122,8 @@ class TransEConfig:
             raise ValueError(
                 f"'split' must be three positive ratios summing to 1 (train, validation, test), got {self.split}"
             )
+
+    def _check_training(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss '{self.loss}'; choose one of: {', '.join(LOSSES)}")
         if self.optimizer not in OPTIMIZERS:
@@ -131,6 +139,14 @@ class TransEConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"'{name}' must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"'lr' must be positive, got {self.lr}")
+        if self.training_loop == "lcwa" and self.loss in ("marginranking", "nssa"):
+            raise ValueError(
+                f"loss '{self.loss}' needs sampled negatives; use training_loop: slcwa or loss crossentropy"
+            )
+
+    def _check_evaluation(self) -> None:
         if self.eval_max_triples is not None and self.eval_max_triples < 1:
             raise ValueError(f"'eval_max_triples' must be at least 1 or null, got {self.eval_max_triples}")
         if self.eval_max_triples is not None and self.early_stopping:
@@ -140,8 +156,8 @@ class TransEConfig:
             )
         if self.early_stopping_patience < 0:
             raise ValueError(f"'early_stopping_patience' must be >= 0, got {self.early_stopping_patience}")
-        if not self.lr > 0:
-            raise ValueError(f"'lr' must be positive, got {self.lr}")
+
+    def _check_smoothing(self) -> None:
         if self.label_smoothing is not None and not 0 <= self.label_smoothing < 1:
             raise ValueError(f"'label_smoothing' must be in [0, 1), got {self.label_smoothing}")
         if self.label_smoothing and self.training_loop != "lcwa":
@@ -154,10 +170,6 @@ class TransEConfig:
             raise ValueError(
                 "'label_smoothing_style: label' only changes loss crossentropy (bcewithlogits already "
                 "smooths each label); set loss: crossentropy or drop the key"
-            )
-        if self.training_loop == "lcwa" and self.loss in ("marginranking", "nssa"):
-            raise ValueError(
-                f"loss '{self.loss}' needs sampled negatives; use training_loop: slcwa or loss crossentropy"
             )
 
 
