@@ -1,20 +1,10 @@
 """Image–caption datasets users already have, loaded through ``datasets``.
 
-Sources (DESIGN.md, "Image–caption data"):
-
-- an image folder with ``metadata.jsonl`` (or ``metadata.csv``/``metadata.parquet``) whose
-  ``file_name`` column names images relative to the folder — the ``datasets`` imagefolder
-  convention, and what ``rapiddiff data kshapes`` writes;
-- a CSV, TSV, JSONL/JSON or parquet file with an image column (a path relative to the file, or
-  base64 — Chinese-CLIP, EasyNLP) and a text column; headerless files (Chinese-CLIP's TSVs) take
-  ``column_names``;
-- for data that does not fit on disk, :class:`StreamingImageTextDataset` over shards (a glob, a
-  folder of parquet/jsonl/csv/tsv files, or webdataset ``.tar`` shards), via ``streaming=True``.
-
-``datasets`` reads the table; images are decoded here, because one corrupt file must cost one
-sample, not the run (``datasets``' own Image feature raises). Bad items — missing or corrupt
-images, empty captions, images below the training size with ``small_images="skip"`` — are skipped,
-counted in ``.skipped`` (item, reason) and appended to ``skip_log`` (JSON lines) when given.
+Sources: an image folder with ``metadata.jsonl`` (``.csv``/``.parquet``; the imagefolder
+convention), a CSV/TSV/JSONL/parquet table with an image column (path or base64) and a text column,
+a ``rapiddiff data prepare`` folder, or shards streamed (:class:`StreamingImageTextDataset`).
+Images are decoded here so that a corrupt file costs one sample, not the run: bad items are
+skipped, counted in ``.skipped`` and written to ``skip_log``.
 """
 
 from __future__ import annotations
@@ -367,10 +357,10 @@ class SkipLog:
         self.__dict__.update(state, _lock=threading.Lock())
 
     def counts(self) -> Counter[str]:
-        return Counter(_reason_kind(reason) for _, reason in self.items)
+        return Counter(reason_kind(reason) for _, reason in self.items)
 
 
-def _reason_kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
     """The first words of a reason, without the file name: "missing file", "empty caption"..."""
     return reason.split(" (")[0].split(" /")[0].split(":")[0]
 

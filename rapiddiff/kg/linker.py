@@ -1,24 +1,10 @@
 """EntityLinker: find the KnowledgeStore's entities in Chinese text, as character spans.
 
-1. Normalise the text (full/half width, case, traditional → simplified, the middle-dot family,
-   composed accents; :mod:`rapiddiff.kg.normalize`), keeping a map back to the user's offsets.
-2. Find every occurrence of every surface form (names and aliases) with a MARISA trie
-   (``marisa-trie``): one prefix query per character, independent of word segmentation, so an
-   entity is found wherever it is written. The trie holds 16 M names in a few hundred MB where
-   a Python dict per name (or jieba's dictionary with every name added) needs tens of GB.
-3. Reject a candidate whose start or end falls strictly inside a word of jieba's segmentation
-   (HMM off) of the text, with jieba's main dictionary plus the lexicon — of which only the
-   forms that occur in a jieba block can change that block's segmentation, so each block that
-   needs the check is segmented with jieba's dictionary plus the candidates found in it, each at
-   the frequency jieba's ``add_word`` would suggest. 番茄 is not linked inside 番茄酱 unless
-   番茄酱 is itself an entity. The segmentation runs only on the jieba blocks (runs of
-   Han/alphanumeric characters, which jieba segments independently) where a candidate boundary
-   falls strictly inside the block. jieba's words live in the same trie as the forms, so where a
-   form may start one query finds both; elsewhere, and for the blocks, the DP and the filter, a
-   compiled pass (:mod:`rapiddiff.kg.linker_dp`, numba) does what jieba's get_DAG + calc would,
-   with the same float operations (the same loops as plain Python for a process's first few
-   thousand characters, where starting numba would cost more: :func:`word_check_module`).
-4. Keep the longest, then leftmost, of overlapping candidates.
+Normalise the text (:mod:`~rapiddiff.kg.normalize`), find every surface form with one MARISA-trie
+prefix query a position (independent of word segmentation), reject a candidate whose start or end
+falls strictly inside a word of jieba's HMM-free segmentation of its block (番茄 is not linked
+inside 番茄酱), and keep the longest, then leftmost, of overlapping candidates. The segmentation
+runs compiled (:mod:`~rapiddiff.kg.linker_dp`) with jieba's own float operations.
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ import math
 import os
 import shutil
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import marisa_trie
 import numpy as np
@@ -35,10 +35,16 @@ from rapiddiff.kg.normalize import normalize, table_key
 from rapiddiff.utils.io import atomic_open, atomic_write_bytes, atomic_write_text, file_sha256
 from rapiddiff.utils.logging import get_logger
 
-if TYPE_CHECKING:
-    from rapiddiff.kg.store import KnowledgeStore
-
 log = get_logger(__name__)
+
+
+class StoreNames(Protocol):
+    """What the index needs of a KnowledgeStore (a protocol: this module sits below store.py)."""
+
+    ENTITIES_FILE: str
+    path: Path | None
+
+    def forms(self) -> Iterator[tuple[str, int]]: ...
 
 
 @functools.cache
@@ -477,9 +483,9 @@ def _build_index(surfaces: list[str], ids: np.ndarray) -> LinkerIndex:
     return LinkerIndex(trie, entity_ids, weights, heads, head_set(heads), longest, clashes)
 
 
-def _entities_file(store: KnowledgeStore, store_folder: Path, *, with_sha256: bool = True) -> dict[str, Any]:
+def _entities_file(store: StoreNames, store_folder: Path, *, with_sha256: bool = True) -> dict[str, Any]:
     """What identifies a store's names: its entities.tsv's size, modification time and sha256."""
-    name = store.ENTITIES_FILE  # read off the store: this module sits below store.py
+    name = store.ENTITIES_FILE
     file = store_folder / name
     stat = file.stat()
     found: dict[str, Any] = {"file": name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -488,7 +494,7 @@ def _entities_file(store: KnowledgeStore, store_folder: Path, *, with_sha256: bo
     return found
 
 
-def write_store_index(store: KnowledgeStore, store_folder: Path) -> Path:
+def write_store_index(store: StoreNames, store_folder: Path) -> Path:
     """Write the linker's index of ``store``'s names and aliases into ``store_folder/linker``
     (:data:`STORE_INDEX`), after its entities.tsv: what :meth:`EntityLinker.from_store` loads
     instead of reading every name. Taken from the linker/ of the folder ``store`` was loaded from
@@ -505,7 +511,7 @@ def write_store_index(store: KnowledgeStore, store_folder: Path) -> Path:
     return folder
 
 
-def read_store_index(store: KnowledgeStore) -> tuple[LinkerIndex | None, str]:
+def read_store_index(store: StoreNames) -> tuple[LinkerIndex | None, str]:
     """(the index saved in ``store``'s folder, "") when it is there and describes the store's
     names, else (None, why not). Reads no names; hashes entities.tsv only where its modification
     time differs from the recorded one (a copied store)."""

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapiddiff.kg.store import KnowledgeStore
+from rapiddiff.kg.triples import group_triples, read_aliases, read_triples_array
+from rapiddiff.utils.config import config_to_dict, load_config
+from rapiddiff.utils.device import resolve_device
+from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -175,7 +180,6 @@ class TransEConfig:
 
 def load_transe_config(path: str | Path, **overrides: Any) -> TransEConfig:
     """A :class:`TransEConfig` from YAML; unknown keys name the valid ones."""
-    from rapiddiff.utils.config import load_config
 
     return load_config(TransEConfig, path, **overrides)
 
@@ -199,8 +203,6 @@ def _load_data(
             dataset=cfg.dataset, dataset_kwargs={"create_inverse_triples": cfg.create_inverse_triples}
         )
         return dataset, None, None
-
-    from rapiddiff.kg.triples import read_aliases, read_triples_array
 
     # Ids straight from the file (pyarrow + numpy): the same ids as pykeen's from_labeled_triples,
     # without a Python tuple or a numpy string per triple.
@@ -365,9 +367,6 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
     """
     import torch
 
-    from rapiddiff.utils.config import config_to_dict
-    from rapiddiff.utils.device import resolve_device
-
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
@@ -462,7 +461,6 @@ SKIPPED_LINES = "skipped_lines.tsv"
 
 def _write_skipped(path: Path, skipped: Skipped) -> None:
     """Every skipped line as ``file:line<TAB>reason`` (none: no file; an earlier run's is removed)."""
-    from rapiddiff.utils.io import atomic_open
 
     if not skipped:
         path.unlink(missing_ok=True)
@@ -547,7 +545,7 @@ def _filtered_evaluation(cfg: TransEConfig, model: Any, dataset: Any, mapped: An
     on the model's device, through one int64 key per triple (a radix sort of 140 M keys), and
     handed to pykeen's evaluator as they are: its own ``prepare_filter_triples`` would take the
     same set with ``unique(dim=0)``, a row-comparing sort whose time and memory at this size are
-    unknown (the one attempt, 2026-11-22, reached 78 GB of GPU memory in its first 9 s).
+    unknown (one attempt at 140 M triples reached 78 GB of GPU memory in its first 9 s).
     """
     from unittest import mock
 
@@ -658,8 +656,6 @@ def _all_triples_dataset(dataset: Any, full: Any) -> Any:
 def _to_store(model: Any, dataset: Any, full: Any, aliases: dict[str, list[str]] | None) -> KnowledgeStore:
     import torch
 
-    from rapiddiff.kg.store import KnowledgeStore
-
     training = dataset.training
     entity_names = _names(training.entity_to_id)
     relation_names = _names(training.relation_to_id)
@@ -687,8 +683,6 @@ def _sorted_unique(triples: Any, n_entities: int, n_relations: int) -> Any:
     """
     import numpy as np
     import torch
-
-    from rapiddiff.kg.triples import group_triples
 
     array = triples.cpu().numpy().astype(np.int64, copy=False)
     return torch.from_numpy(group_triples(array, n_entities, n_relations))

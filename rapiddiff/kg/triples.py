@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -169,7 +170,6 @@ def _alias_fields(path: Path, number: int, line: str, known: Collection[str] | N
 
 def write_triples(path: str | Path, triples: Collection[Triple], header: str | None = None) -> None:
     """Write triples as TSV (atomically); names may not hold tabs or line breaks."""
-    from rapiddiff.utils.io import atomic_open
 
     with atomic_open(path, "w", encoding="utf-8") as handle:
         if header:
@@ -393,8 +393,6 @@ def write_triples_array(
     :func:`group_triples` first.
     """
     import numpy as np
-
-    from rapiddiff.utils.io import atomic_open
 
     ent_tab, ent_tab_start, ent_len = _name_buffer(entity_names, b"\t", path)
     ent_nl, ent_nl_start, _ = _name_buffer(entity_names, b"\n", path)

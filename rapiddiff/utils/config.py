@@ -16,6 +16,8 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from rapiddiff.utils.io import atomic_write_text
+
 T = TypeVar("T")
 
 
@@ -71,7 +73,6 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically), to sit beside what it produced."""
-    from rapiddiff.utils.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), allow_unicode=True, sort_keys=False))
 
