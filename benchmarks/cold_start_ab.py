@@ -160,6 +160,13 @@ def main() -> None:
             )
         if "before" in pngs and "after" in pngs and pngs["before"] != pngs["after"]:
             raise SystemExit(f"round {r + 1}: the two trees wrote different images: {pngs}")
+    _report(results, phases, out)
+
+
+def _report(
+    results: dict[str, list[dict[str, float]]], phases: dict[str, list[list[list[object]]]], out: Path
+) -> None:
+    """The tables of the rounds (variants, start-up above the floor, phases) and results.json."""
     print("\n| variant | wall s, median (min–max) | CPU s, median | load at start |\n|---|---|---|---|")
     for name, runs in results.items():
         walls = [x["wall"] for x in runs]
