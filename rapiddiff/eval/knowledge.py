@@ -18,9 +18,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rapiddiff.eval.common import METRICS_DIR, metric_record, read_jsonl, write_json, write_jsonl
-from rapiddiff.eval.sample import SampleSettings, generate, plan_jobs
+from rapiddiff.eval.common import (
+    METRICS_DIR,
+    metric_record,
+    open_rgb,
+    read_index,
+    read_jsonl,
+    write_json,
+    write_jsonl,
+)
+from rapiddiff.eval.sample import (
+    SampleSettings,
+    add_sampling_arguments,
+    generate,
+    load_pipeline,
+    model_config,
+    plan_jobs,
+    settings_from_args,
+)
+from rapiddiff.utils.config import load_config
 from rapiddiff.utils.logging import get_logger
+
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
 
 log = get_logger(__name__)
 
@@ -109,7 +129,6 @@ def _attribute_prompts_from_config(folder: Path, split: str) -> list[dict[str, A
             "of --splits)"
         )
     from rapiddiff.data.kshapes.generate import KShapesConfig, attribute_prompts
-    from rapiddiff.utils.config import load_config
 
     cfg = load_config(KShapesConfig, config)
     rows = attribute_prompts(cfg, split)
@@ -128,8 +147,6 @@ def score_run(
     ``workers`` processes (it is numpy/scipy on one image: processes, not threads, use the cores;
     None: up to 8 for runs of 200 images or more, else in-process)."""
     from tqdm.auto import tqdm
-
-    from rapiddiff.eval.common import read_index
 
     index = read_index(run_dir)
     tasks = [(str(run_dir), row) for row in index]
@@ -152,7 +169,6 @@ def score_run(
 def _detect_one(
     task: tuple[str, dict[str, Any]], detect: Callable[[Any], dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    from rapiddiff.eval.common import open_rgb
     from rapiddiff.eval.consistency import render_consistency
 
     run_dir, row = task
@@ -547,7 +563,6 @@ def _knowledge_mode(pipe: Any, mode: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rapiddiff.eval.sample import add_sampling_arguments
 
     parser.description = (
         "Knowledge accuracy on kshapes: generate for prompts naming seen and held-out entities, knowledge "
@@ -592,7 +607,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapiddiff.eval.sample import load_pipeline, model_config, settings_from_args
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

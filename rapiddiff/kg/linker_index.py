@@ -37,6 +37,9 @@ from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
+# jieba is imported where its own files are read (the caches below spare most processes its import),
+# linker_dp where numba's start is worth it (word_check_module).
+
 
 class StoreNames(Protocol):
     """What the index needs of a KnowledgeStore (a protocol: this module sits below store.py)."""
@@ -50,7 +53,6 @@ class StoreNames(Protocol):
 @functools.cache
 def jieba_dictionary() -> tuple[dict[str, int], int]:
     """jieba's main dictionary (word/prefix → frequency, total), loaded once per process."""
-
     import jieba
 
     jieba.setLogLevel(logging.WARNING)
@@ -81,7 +83,6 @@ class JiebaDictionary:
 
 def _jieba_source() -> tuple[str, str, int, int]:
     """What identifies jieba's dictionary for the caches: its version, file, size and mtime."""
-
     import jieba
 
     source = Path(jieba.__file__).with_name("dict.txt")
@@ -94,7 +95,6 @@ def _jieba_identity() -> tuple[str, int, str]:
     """jieba's dictionary by content (version, size, sha256 of dict.txt; ~10 ms once a process), for
     indexes that travel with a store: its path and mtime differ on every machine the store is
     copied to, and would make each one rebuild a 16 M-name index for nothing."""
-
     import jieba
 
     data = Path(jieba.__file__).with_name("dict.txt").read_bytes()
