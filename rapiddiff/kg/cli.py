@@ -31,10 +31,14 @@ def register(parser: argparse.ArgumentParser) -> None:
             "stops at the first instead)."
         ),
     )
-    train.add_argument("--config", type=Path, help="YAML file of TransEConfig keys (configs/kg/*.yaml)")
-    train.add_argument("--triples", type=Path, help="triples TSV: train on it without a YAML of its own")
-    train.add_argument("--aliases", type=Path, help="aliases TSV of --triples' entities")
-    train.add_argument("--out", type=Path, help="store folder (overrides the config's 'out')")
+    files = {
+        "--config": "YAML file of TransEConfig keys (configs/kg/*.yaml)",
+        "--triples": "triples TSV: train on it without a YAML of its own",
+        "--aliases": "aliases TSV of --triples' entities",
+        "--out": "store folder (overrides the config's 'out')",
+    }
+    for flag, help_text in files.items():
+        train.add_argument(flag, type=Path, help=help_text)
     train.add_argument("--device", help="auto, cpu, cuda or cuda:N (overrides the config)")
     train.add_argument("--epochs", type=int, help="maximum epochs (overrides the config)")
     train.add_argument("--seed", type=int, help="random seed (overrides the config)")
