@@ -130,7 +130,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _linker_index_status(store: KnowledgeStore) -> str:
     """Whether the store carries its EntityLinker's index (``linker/``) and whether it is usable."""
-    from rapiddiff.kg.linker import STORE_INDEX, read_store_index
+    from rapiddiff.kg.linker_index import STORE_INDEX, read_store_index
 
     index, why = read_store_index(store)
     if index is not None:
