@@ -79,14 +79,16 @@ def load(module: ModuleType, prefix: str) -> Any:
     linker._ids = memoryview(linker.entity_ids)
     linker.word_check = True
     linker._frequencies = {}
-    jieba_words = module._jieba()
+    from rapiddiff.kg import linker_index  # where the index code lives since linker.py was split
+
+    jieba_words = getattr(module, "_jieba", linker_index.jieba_words)()
     weights = np.full(len(linker.trie), np.nan)
     for word, i in jieba_words.trie.iteritems():
         weights[linker.trie.key_id(word)] = jieba_words.weights[i]
-    if hasattr(module, "_head_set"):  # the compiled word check (this branch)
+    if hasattr(module, "_head_set") or hasattr(module, "jieba_words"):  # the compiled word check
         weights[linker.entity_ids >= 0] = np.nan
         linker._weights = weights
-        linker._head_set = module._head_set(linker._heads)
+        linker._head_set = getattr(module, "_head_set", linker_index.head_set)(linker._heads)
     else:  # main before it: jieba's weights per key, forms' weights memoised in a dict
         linker._word_weights = memoryview(weights)
         linker._form_weights = {}
@@ -131,11 +133,11 @@ def _store_save(names: int, folder: Path) -> dict[str, Any]:
     import torch
     from kg_scale import _phase, entity_names
 
-    from rapiddiff.kg import linker
+    from rapiddiff.kg import store as store_module
     from rapiddiff.kg.store import KnowledgeStore
 
     report: dict[str, Any] = {}
-    write_store_index = linker.write_store_index
+    write_store_index = store_module.write_store_index
 
     def timed(*args: Any) -> Any:  # the linker's part of save(linker=True)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -146,7 +148,7 @@ def _store_save(names: int, folder: Path) -> dict[str, Any]:
         }
         return result
 
-    linker.write_store_index = timed
+    store_module.write_store_index = timed  # the name save() calls
     with _phase(report, "entity_names + KnowledgeStore.from_arrays"):
         all_names = entity_names(names, 0)
         store = KnowledgeStore.from_arrays(

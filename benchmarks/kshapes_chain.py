@@ -1038,6 +1038,14 @@ def pick_guidance(scores: dict[float, float]) -> float:
 def seed_measures(run: Path) -> dict[str, float]:
     """Every number one seed's chain produced, flat: "knowledge heldout on both" → 46.2, ..."""
     results = run / "results"
+    found = _knowledge_measures(results)
+    _add_ceiling(found)
+    _add_stage_measures(run, results, found)
+    return found
+
+
+def _knowledge_measures(results: Path) -> dict[str, float]:
+    """The knowledge tables' figures of each U-Net run, one key a cell."""
     found: dict[str, float] = {}
     labels = {"knowledge_unet-on": "U-Net on", "knowledge_unet-off": "U-Net off",
               "knowledge_robust_unet-on": "U-Net on, robust prompts",
@@ -1062,6 +1070,10 @@ def seed_measures(run: Path) -> dict[str, float]:
             if not row.get("variant") and row.get("psnr") is not None:
                 found[f"{where} | render PSNR dB"] = row["psnr"]
                 found[f"{where} | render SSIM"] = row["ssim"]
+    return found
+
+
+def _add_ceiling(found: dict[str, float]) -> None:
     on = found.get("U-Net on | heldout | knowledge on | both %")
     # The ceiling is the better of "text" and "both": "text" alone switches off the attribute words'
     # own TransE vectors, which the U-Net was trained with, so it is off-distribution (docstring).
@@ -1074,6 +1086,10 @@ def seed_measures(run: Path) -> dict[str, float]:
     if on is not None and ceiling > 0:
         found["U-Net on | heldout | ceiling both % (best of text, both)"] = ceiling
         found["U-Net on | heldout | TransE (on) / ceiling both, ratio %"] = 100.0 * on / ceiling
+
+
+def _add_stage_measures(run: Path, results: Path, found: dict[str, float]) -> None:
+    """Guidance choice, VAE reconstructions, CLIP recall and TransE MRR, where the run has them."""
     guidance = results / "guidance.json"
     if guidance.exists():
         g = json.loads(guidance.read_text("utf-8"))
@@ -1097,7 +1113,6 @@ def seed_measures(run: Path) -> dict[str, float]:
         mrr = json.loads(kg.read_text("utf-8")).get("metrics", {}).get("mrr")
         if mrr is not None:
             found["TransE | filtered MRR"] = mrr
-    return found
 
 
 def summarise_seeds(out: Path, seeds: list[int]) -> dict[str, Any]:

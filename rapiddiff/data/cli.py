@@ -124,12 +124,13 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     prep = sub.add_parser(
         "prepare",
-        help="check a dataset once and link its captions once; training runs reuse both (prepared=DIR)",
+        help="check a dataset once and link its captions once; pass --out as any train command's data",
         description=(
             "Decode every image of PATH, record the usable rows and every skipped item (with its reason), "
             "and with --store link every caption to the KnowledgeStore's entities. Writes manifest.json, "
-            "skipped.jsonl and annotations.jsonl to --out; ImageTextDataset(PATH, prepared=OUT) then builds "
-            "without opening an image or linking a caption. The manifest remembers the table's size and "
+            "skipped.jsonl and annotations.jsonl to --out. OUT is then a dataset: --data OUT (train vae), "
+            "data.train: OUT (train clip, unet, finetune) or ImageTextDataset(OUT) builds without opening "
+            "an image or linking a caption. The manifest remembers the table's size and "
             "modification time and is refused once the table changes."
         ),
     )

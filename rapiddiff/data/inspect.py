@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from rapiddiff.data.loader import ImageTextDataset, reason_kind
+from rapiddiff.kg.linker import EntityLinker
+from rapiddiff.kg.store import KnowledgeStore
 from rapiddiff.utils.io import atomic_write_text, removed_if_failed
 from rapiddiff.utils.logging import get_logger
 
@@ -77,7 +80,6 @@ def histogram_png(
 
 def entity_coverage(texts: Sequence[str], store: Any, top: int = 20) -> dict[str, Any]:
     """How many captions mention an entity of ``store``, which entities, and how often."""
-    from rapiddiff.kg.linker import EntityLinker
 
     linker = EntityLinker.from_store(store)
     mentions: Counter[int] = Counter()
@@ -114,7 +116,6 @@ def inspect_dataset(
     ``out`` gets ``report.json``, ``skipped.jsonl``, ``image_sizes.png`` and
     ``caption_lengths.png``. Returns the report.
     """
-    from rapiddiff.data.loader import ImageTextDataset
 
     out_dir = Path(out) if out is not None else None
     skip_log = None
@@ -137,7 +138,7 @@ def inspect_dataset(
 def _report(dataset: Any, out_dir: Path | None, image_size: int, store: str | Path | None) -> dict[str, Any]:
     sizes = np.array([dataset.image_sizes[r] for r in dataset.indices], dtype=np.int64).reshape(-1, 2)
     lengths = [len(t) for t in dataset.texts]
-    reasons = Counter(_reason_kind(reason) for _, reason in dataset.skipped)
+    reasons = Counter(reason_kind(reason) for _, reason in dataset.skipped)
     report: dict[str, Any] = {
         "source": str(dataset.table),
         "rows": len(dataset) + len(dataset.skipped),
@@ -155,8 +156,6 @@ def _report(dataset: Any, out_dir: Path | None, image_size: int, store: str | Pa
         "training_size": image_size,
     }
     if store is not None:
-        from rapiddiff.kg.store import KnowledgeStore
-
         report["entities"] = entity_coverage(dataset.texts, KnowledgeStore.load(store))
     if out_dir is not None:
         report["histograms"] = {
@@ -169,12 +168,6 @@ def _report(dataset: Any, out_dir: Path | None, image_size: int, store: str | Pa
         }
         atomic_write_text(out_dir / "report.json", json.dumps(report, ensure_ascii=False, indent=1) + "\n")
     return report
-
-
-def _reason_kind(reason: str) -> str:
-    from rapiddiff.data.loader import _reason_kind as kind
-
-    return kind(reason)
 
 
 def _summary(values: np.ndarray) -> dict[str, Any]:

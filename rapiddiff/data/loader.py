@@ -1,20 +1,10 @@
 """Image–caption datasets users already have, loaded through ``datasets``.
 
-Sources (DESIGN.md, "Image–caption data"):
-
-- an image folder with ``metadata.jsonl`` (or ``metadata.csv``/``metadata.parquet``) whose
-  ``file_name`` column names images relative to the folder — the ``datasets`` imagefolder
-  convention, and what ``rapiddiff data kshapes`` writes;
-- a CSV, TSV, JSONL/JSON or parquet file with an image column (a path relative to the file, or
-  base64 — Chinese-CLIP, EasyNLP) and a text column; headerless files (Chinese-CLIP's TSVs) take
-  ``column_names``;
-- for data that does not fit on disk, :class:`StreamingImageTextDataset` over shards (a glob, a
-  folder of parquet/jsonl/csv/tsv files, or webdataset ``.tar`` shards), via ``streaming=True``.
-
-``datasets`` reads the table; images are decoded here, because one corrupt file must cost one
-sample, not the run (``datasets``' own Image feature raises). Bad items — missing or corrupt
-images, empty captions, images below the training size with ``small_images="skip"`` — are skipped,
-counted in ``.skipped`` (item, reason) and appended to ``skip_log`` (JSON lines) when given.
+Sources: an image folder with ``metadata.jsonl`` (``.csv``/``.parquet``; the imagefolder
+convention), a CSV/TSV/JSONL/parquet table with an image column (path or base64) and a text column,
+a ``rapiddiff data prepare`` folder, or shards streamed (:class:`StreamingImageTextDataset`).
+Images are decoded here so that a corrupt file costs one sample, not the run: bad items are
+skipped, counted in ``.skipped`` and written to ``skip_log``.
 """
 
 from __future__ import annotations
@@ -33,6 +23,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from rapiddiff.data.images import BadImageError, describe, image_source, open_image, to_rgb
+from rapiddiff.data.manifest import load_prepared, prepared_table
 from rapiddiff.data.text import clean_caption
 from rapiddiff.data.transforms import build_image_transform
 from rapiddiff.utils.logging import get_logger
@@ -109,6 +100,15 @@ def resolve_table(source: str | os.PathLike[str]) -> tuple[Path, Path]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset source not found: {path}")
     return path, path.parent
+
+
+def _prepared_source(source: str | os.PathLike[str]) -> Path | None:
+    """The table a ``rapiddiff data prepare`` folder given as a dataset source stands for (None
+    where ``source`` is a dataset itself: an image folder's own metadata file wins)."""
+    path = Path(source).expanduser()
+    if not path.is_dir() or any((path / name).is_file() for name in METADATA_NAMES):
+        return None
+    return prepared_table(path)
 
 
 def read_table(
@@ -357,10 +357,10 @@ class SkipLog:
         self.__dict__.update(state, _lock=threading.Lock())
 
     def counts(self) -> Counter[str]:
-        return Counter(_reason_kind(reason) for _, reason in self.items)
+        return Counter(reason_kind(reason) for _, reason in self.items)
 
 
-def _reason_kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
     """The first words of a reason, without the file name: "missing file", "empty caption"..."""
     return reason.split(" (")[0].split(" /")[0].split(":")[0]
 
@@ -444,7 +444,8 @@ class ImageTextDataset(Dataset):
     ``attention_mask`` and ``token_entity_ids`` [max_length]; both computed once, up front.
     ``jpeg_draft`` decodes large JPEGs at a reduced scale that still covers ``image_size``.
     ``prepared`` is a folder written by ``rapiddiff data prepare``: its checked rows (no scan)
-    and, when it has them and no ``linker`` is given, its entity spans are used.
+    and, when it has them and no ``linker`` is given, its entity spans are used. Such a folder is
+    also a ``source``: the table it was prepared from, with its rows.
     """
 
     def __init__(
@@ -473,6 +474,8 @@ class ImageTextDataset(Dataset):
             raise ValueError(f"small_images must be 'upscale' or 'skip', got {small_images!r}")
         if verify not in ("none", "header", "full"):
             raise ValueError(f"verify must be 'none', 'header' or 'full', got {verify!r}")
+        if prepared is None and (table := _prepared_source(source)) is not None:
+            source, prepared = table, source
         self.table, self.base_dir = resolve_table(source)
         self.image_size = image_size
         self.small_images = small_images
@@ -495,8 +498,6 @@ class ImageTextDataset(Dataset):
         self.image_sizes: dict[int, tuple[int, int]] = {}  # row → (width, height), from the scan
         spans = None
         if prepared is not None:
-            from rapiddiff.data.prepare import load_prepared
-
             settings = {"t2s": t2s, "small_images": small_images, "image_size": image_size}
             keep, skipped, spans = load_prepared(prepared, self.table, texts, settings)
             for item, reason in skipped:

@@ -13,7 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rapiddiff.eval.common import add_device_arguments, default_metric_path, metric_record
+from rapiddiff.eval.common import (
+    add_device_arguments,
+    default_metric_path,
+    metric_record,
+    read_index,
+    uint8_batches,
+    write_json,
+)
+from rapiddiff.utils.device import resolve_device
+
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
 
 
 def clip_scores(clip: Any, images: Any, texts: Sequence[str]) -> Any:
@@ -31,8 +42,6 @@ def clipscore_run(
     """Mean CLIPScore over an eval run's (image, prompt) pairs → a metric record."""
     import torch
     from tqdm.auto import tqdm
-
-    from rapiddiff.eval.common import read_index, uint8_batches
 
     run_dir = Path(run_dir)
     index = read_index(run_dir)
@@ -78,8 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapiddiff.eval.common import read_index, write_json
-    from rapiddiff.utils.device import resolve_device
 
     read_index(args.run)  # a wrong folder fails before the model loads
     device = resolve_device(args.device)

@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
+
 PSNR_CAP = 100.0
 """PSNR of identical images (the MSE floor 1e-10 of [0, 1] data): JSON has no infinity."""
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5

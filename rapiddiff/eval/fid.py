@@ -23,12 +23,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.eval.common import add_device_arguments, default_metric_path, list_images, metric_record
+from rapiddiff.eval.common import (
+    add_device_arguments,
+    default_metric_path,
+    list_images,
+    metric_record,
+    uint8_batches,
+    write_json,
+)
+from rapiddiff.eval.inception import INCEPTION_FILE, load_inception, resolve_inception_weights
+from rapiddiff.utils.device import resolve_device
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
 
 log = get_logger(__name__)
 
@@ -88,8 +100,6 @@ def extract_features(
     import torch
     from tqdm.auto import tqdm
 
-    from rapiddiff.eval.common import uint8_batches
-
     chunks = []
     with torch.inference_mode(), tqdm(total=len(paths), desc=desc, unit="img", leave=False) as bar:
         for files, batch in uint8_batches(paths, batch_size):
@@ -148,8 +158,6 @@ def inception_extractor(
 ) -> FeatureExtractor:
     """The standard FID extractor (weights must already be resolved: see ``resolve_inception_weights``)."""
     import torch_fidelity
-
-    from rapiddiff.eval.inception import INCEPTION_FILE, load_inception
 
     model = load_inception(weights, device=device, **kwargs)
 
@@ -237,9 +245,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapiddiff.eval.common import write_json
-    from rapiddiff.eval.inception import resolve_inception_weights
-    from rapiddiff.utils.device import resolve_device
 
     # Everything that can fail without touching an image fails first: weights, folders, models.
     weights = resolve_inception_weights(args.inception_weights) if args.extractor == "inception" else None

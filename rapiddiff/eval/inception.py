@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rapiddiff.utils.io import file_sha256
+from rapiddiff.utils.io import UnsafeCheckpointError, file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -107,8 +107,6 @@ def load_inception(
     """torch-fidelity's ``FeatureExtractorInceptionV3`` ("inception-v3-compat", pool3 2048-d
     features) with the verified weights; input uint8 [B, 3, H, W], any H, W."""
     from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
-    from rapiddiff.utils.io import UnsafeCheckpointError
 
     path = Path(path)
     verify_weights(path, expected_sha256)

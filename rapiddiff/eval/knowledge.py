@@ -1,31 +1,11 @@
 """``rapiddiff eval knowledge``: does the model draw what the KG knows about an entity?
 
-For every kshapes evaluation prompt (``prompts.jsonl``: text, entity, colour, shape, split ∈
-seen/heldout) the model generates images twice, knowledge fusion on and off, with the same
-seeds; the kshapes detector reads colour and shape off each image; the accuracies (colour,
-shape, both) are tabulated for seen / held-out entities × knowledge on / off. Held-out
-entities never appear in a training caption: only the KG can tell the model their colour and
-shape, so "held-out, on" against "held-out, off" is the number that shows what knowledge adds.
-
-Split "attribute" (``--splits attribute``) tests the base generator: attribute captions in the
-training templates that name colour, shape, background and position ("浅蓝色背景的左边有一个红色的
-三角形"), every colour × shape pair, from ``prompts_attribute.jsonl`` (written by `rapiddiff data
-kshapes`; for a folder written before that file existed, the same prompts are made from its
-kshapes.yaml). Every image is also scored on background and position (where the prompt names
-them) and on "all" (every attribute it names right: all four for the attribute split). Where those
-misses fall is tabulated too (:func:`attribute_misses`: all four by background and by shape, and the
-commonest misreadings), since one draw's misses tend to gather in a few cells.
-
-Render consistency (:mod:`rapiddiff.eval.consistency`): what the detector read off each image is
-re-rendered by kshapes' own renderer, and the image's PSNR / SSIM against that re-render are
-tabulated per split × knowledge mode — how close the images are to the crisp, flat renders; a grid
-of generated | re-render pairs is written to ``RUN/render_consistency.png``.
-
-Layout: ``RUN/knowledge_on/`` and ``RUN/knowledge_off/`` are ordinary eval runs (images,
-index.jsonl, detections.jsonl); ``RUN/metrics/knowledge.json`` and ``RUN/knowledge.md`` hold the
-tables. Generation is batched and resumable like ``eval sample``. An image that an earlier mode of
-the run drew under the same conditioning (a caption with no KG facts to spell in reads the same in
-"both" as in "on", in "text" as in "off": :func:`conditioning_keys`) is linked in, not drawn again.
+Each kshapes evaluation prompt is drawn with knowledge fusion on and off (same seeds); the kshapes
+detector reads colour, shape, background and position off each image, tabulated for seen and
+held-out entities × knowledge mode ("held-out, on" against "held-out, off" is what knowledge adds).
+Also: the ``attribute`` split (the base generator), where misses fall, and render consistency
+(:mod:`~rapiddiff.eval.consistency`). Layout: ``RUN/knowledge_{on,off}/``, ``RUN/knowledge.md``,
+``RUN/metrics/knowledge.json``; resumable, and an image two modes would draw alike is drawn once.
 """
 
 from __future__ import annotations
@@ -38,9 +18,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rapiddiff.eval.common import METRICS_DIR, metric_record, read_jsonl, write_json, write_jsonl
-from rapiddiff.eval.sample import SampleSettings, generate, plan_jobs
+from rapiddiff.eval.common import (
+    METRICS_DIR,
+    metric_record,
+    open_rgb,
+    read_index,
+    read_jsonl,
+    write_json,
+    write_jsonl,
+)
+from rapiddiff.eval.sample import (
+    SampleSettings,
+    add_sampling_arguments,
+    generate,
+    load_pipeline,
+    model_config,
+    plan_jobs,
+    settings_from_args,
+)
+from rapiddiff.utils.config import load_config
 from rapiddiff.utils.logging import get_logger
+
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
 
 log = get_logger(__name__)
 
@@ -129,7 +129,6 @@ def _attribute_prompts_from_config(folder: Path, split: str) -> list[dict[str, A
             "of --splits)"
         )
     from rapiddiff.data.kshapes.generate import KShapesConfig, attribute_prompts
-    from rapiddiff.utils.config import load_config
 
     cfg = load_config(KShapesConfig, config)
     rows = attribute_prompts(cfg, split)
@@ -148,8 +147,6 @@ def score_run(
     ``workers`` processes (it is numpy/scipy on one image: processes, not threads, use the cores;
     None: up to 8 for runs of 200 images or more, else in-process)."""
     from tqdm.auto import tqdm
-
-    from rapiddiff.eval.common import read_index
 
     index = read_index(run_dir)
     tasks = [(str(run_dir), row) for row in index]
@@ -172,7 +169,6 @@ def score_run(
 def _detect_one(
     task: tuple[str, dict[str, Any]], detect: Callable[[Any], dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    from rapiddiff.eval.common import open_rgb
     from rapiddiff.eval.consistency import render_consistency
 
     run_dir, row = task
@@ -357,7 +353,7 @@ def misses_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], chance: dict[str, float] | None = None) -> str:
-    """The table as markdown (BENCHMARKS.md), with the chance level under it when given."""
+    """The table as markdown (for the results page), with the chance level under it when given."""
     lines = [
         "| entities | knowledge | images | colour acc. % | shape acc. % | both % | both, 95 % CI |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -567,7 +563,6 @@ def _knowledge_mode(pipe: Any, mode: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rapiddiff.eval.sample import add_sampling_arguments
 
     parser.description = (
         "Knowledge accuracy on kshapes: generate for prompts naming seen and held-out entities, knowledge "
@@ -612,7 +607,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapiddiff.eval.sample import load_pipeline, model_config, settings_from_args
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

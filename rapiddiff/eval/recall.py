@@ -17,8 +17,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.utils.device import resolve_device
+from rapiddiff.utils.io import atomic_write_text, read_text_lines
+
 if TYPE_CHECKING:
     import torch
+
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
 
 KS = (1, 5, 10)
 
@@ -169,9 +175,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-
-    from rapiddiff.utils.device import resolve_device
-    from rapiddiff.utils.io import atomic_write_text, read_text_lines
 
     settings = [k.strip() for k in args.knowledge.split(",") if k.strip()]
     if not settings or any(k not in ("on", "off") for k in settings) or len(set(settings)) < len(settings):

@@ -25,7 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rapiddiff import __version__
 from rapiddiff.eval.common import INDEX_NAME, METRICS_DIR, SAMPLE_INFO, open_rgb, read_index
+from rapiddiff.eval.knowledge import wilson_interval
+from rapiddiff.eval.sample import model_config
+from rapiddiff.utils.io import atomic_open, atomic_write_text
 
 # Fonts that render Chinese on common systems (Linux: Noto/Source Han/WenQuanYi; macOS: PingFang;
 # Windows: Microsoft YaHei), then the browser's sans-serif. Nothing is downloaded.
@@ -165,7 +169,6 @@ SPLIT_NAMES = {
 
 def wilson(percent: float, n: int) -> Interval:
     """95 % Wilson interval (percent) of an accuracy given in percent over ``n`` trials."""
-    from rapiddiff.eval.knowledge import wilson_interval
 
     return wilson_interval(round(percent * n / 100), n)
 
@@ -638,8 +641,6 @@ def png_grid(
     """Prompts as rows, each set's images as a column group (a wider gap between sets), on white."""
     from PIL import Image
 
-    from rapiddiff.utils.io import atomic_open
-
     groups = {
         name: {
             (f.get("index"), f["prompt"]): rows for f, rows in grouped(read_index(path), 10**9, max_images)
@@ -675,8 +676,6 @@ def build_report(
     title: str | None = None,
 ) -> str:
     """The HTML text of the report: results first, then plots, samples, and how they were made."""
-    from rapiddiff import __version__
-
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(
@@ -690,8 +689,6 @@ def build_report(
         )
     config: dict[str, Any] | None = None
     if model is not None:
-        from rapiddiff.eval.sample import model_config
-
         config = model_config(model)
     settings = {}
     for _, path in sets:
@@ -761,7 +758,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapiddiff.utils.io import atomic_write_text
 
     for path in args.metrics:
         if not path.is_file():

@@ -30,8 +30,12 @@ from rapiddiff.eval.common import (
     write_json,
     write_jsonl,
 )
-from rapiddiff.utils.io import read_text_lines
+from rapiddiff.utils.device import resolve_device, resolve_dtype
+from rapiddiff.utils.io import atomic_open, read_text_lines
 from rapiddiff.utils.logging import get_logger
+
+# Modules that load torch, numpy or PIL are imported inside the functions that use them:
+# `rapiddiff eval --help` imports every eval module.
 
 log = get_logger(__name__)
 
@@ -133,8 +137,6 @@ def dataset_prompts(
 
 def _save_real(pixels: Any, path: Path) -> None:
     from PIL import Image
-
-    from rapiddiff.utils.io import atomic_open
 
     if path.exists():
         return
@@ -343,7 +345,6 @@ def _native_size(config: dict[str, Any]) -> int | None:
 def load_pipeline(model: str | Path, *, device: str = "auto", dtype: str = "auto", fast: bool = False) -> Any:
     """RapidDiffusionPipeline on the device; with ``fast``, behind the fast path."""
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
-    from rapiddiff.utils.device import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     pipe = RapidDiffusionPipeline.from_pretrained(model, device=dev, dtype=resolve_dtype(dtype, dev))

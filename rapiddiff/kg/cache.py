@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rapiddiff.utils.io import atomic_write_bytes
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -49,8 +50,6 @@ def cached(name: str, key: Any, build: Callable[[], T]) -> T:
         pass  # absent, unreadable or damaged: build it again
     value = build()
     try:
-        from rapiddiff.utils.io import atomic_write_bytes
-
         file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(file, marshal.dumps(value))
     except OSError as err:  # a read-only home: correct, only slower

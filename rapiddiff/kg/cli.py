@@ -22,7 +22,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         "train",
         help="train TransE (pykeen) on a triples TSV or a pykeen dataset; write a KnowledgeStore",
         description=(
-            "Train TransE through pykeen's pipeline as the YAML config says (configs/kg/*.yaml), log filtered "
+            "Train TransE through pykeen's pipeline on --triples FILE, or as the YAML --config says "
+            "(configs/kg/*.yaml; --triples and the other flags override it), log filtered "
             "MRR and Hits@1/3/10 on held-out triples, and write a KnowledgeStore folder (entities.tsv, "
             "relations.tsv, *_embeddings.safetensors, triples.tsv, config.json with the metrics). "
             "Triples TSV: head<TAB>relation<TAB>tail, '#' comments, UTF-8. Aliases TSV: entity<TAB>a1|a2. "
@@ -30,8 +31,14 @@ def register(parser: argparse.ArgumentParser) -> None:
             "stops at the first instead)."
         ),
     )
-    train.add_argument("--config", required=True, type=Path, help="YAML file of TransEConfig keys")
-    train.add_argument("--out", type=Path, help="store folder (overrides the config's 'out')")
+    files = {
+        "--config": "YAML file of TransEConfig keys (configs/kg/*.yaml)",
+        "--triples": "triples TSV: train on it without a YAML of its own",
+        "--aliases": "aliases TSV of --triples' entities",
+        "--out": "store folder (overrides the config's 'out')",
+    }
+    for flag, help_text in files.items():
+        train.add_argument(flag, type=Path, help=help_text)
     train.add_argument("--device", help="auto, cpu, cuda or cuda:N (overrides the config)")
     train.add_argument("--epochs", type=int, help="maximum epochs (overrides the config)")
     train.add_argument("--seed", type=int, help="random seed (overrides the config)")
@@ -58,11 +65,16 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rapiddiff.kg.transe import load_transe_config, train_transe
+    from rapiddiff.kg.transe import TransEConfig, load_transe_config, train_transe
 
-    cfg = load_transe_config(
-        args.config, out=args.out, device=args.device, epochs=args.epochs, seed=args.seed
-    )
+    if args.config is None and args.triples is None:
+        raise SystemExit("kg train: give --triples FILE (a triples TSV) or --config FILE (a YAML)")
+    flags = {"out": args.out, "device": args.device, "epochs": args.epochs, "seed": args.seed}
+    flags |= {"triples": args.triples, "aliases": args.aliases}
+    if args.config is None:
+        cfg = TransEConfig(**{k: v for k, v in flags.items() if v is not None})
+    else:  # the flags that are given override the YAML's keys
+        cfg = load_transe_config(args.config, **flags)
     _, metrics = train_transe(cfg)
     print(json.dumps({"store": str(cfg.out), **metrics}, ensure_ascii=False))
     return 0
@@ -118,7 +130,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _linker_index_status(store: KnowledgeStore) -> str:
     """Whether the store carries its EntityLinker's index (``linker/``) and whether it is usable."""
-    from rapiddiff.kg.linker import STORE_INDEX, read_store_index
+    from rapiddiff.kg.linker_index import STORE_INDEX, read_store_index
 
     index, why = read_store_index(store)
     if index is not None:

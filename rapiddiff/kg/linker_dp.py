@@ -1,21 +1,10 @@
-"""The EntityLinker's word check, compiled with numba, so that no Python loop runs per position or
-per DAG edge of the segmentation.
+"""The EntityLinker's word check compiled with numba: jieba's DAG and DP over the blocks that need
+segmenting, and the boundary filter, with no Python loop per position or edge.
 
-Why numba: with 16 M names most jieba blocks hold a candidate boundary and are segmented, and the
-Python loop over each position's DAG edges (plus a trie query for every position of those blocks)
-held the linker at ~190 k chars per CPU-second. numba is a maintained PyPI package with wheels for
-the platforms CI uses (nothing is compiled at install time); it turns the same loops into machine
-code. The float operations are the ones :func:`rapiddiff.kg.linker._segment` does, in the same
-order (``weight + score[end + 1]``, ``>=`` so ties go to the longer word), so the segmentation is
-bit-identical; ``tests/kg/test_linker.py`` compares the kept candidates with a pure-Python
-reference on dense random texts.
-
-What stays in Python: the MARISA trie query at each position where a form may start (the
-``heads`` filter below picks them); its matches arrive as flat arrays: ``qpos`` (the positions
-queried), ``counts`` (matches at each), ``lens`` and ``kids`` (each match's length and trie key id,
-grouped by position in ``qpos`` order, shortest first). At every other position of a block only
-jieba's words start, and :func:`build_words` puts jieba's dictionary (words and their prefixes, as
-jieba's ``get_DAG`` walks it) in an open-addressing hash table over code points for this module.
+The float operations are :func:`rapiddiff.kg.linker._segment`'s, in the same order, so the result
+is bit-identical (tests compare it with a pure-Python reference). The trie query stays in Python;
+its matches arrive as flat arrays (``qpos``, ``counts``, ``lens``, ``kids``), and jieba's words
+elsewhere come from an open-addressing hash table over code points (:func:`build_words`).
 """
 
 from __future__ import annotations
@@ -258,6 +247,55 @@ def check(
     is kept and those keys are returned: the caller weighs them and calls again.
     """
     n = cp.size
+    block_at, blocks = _block_ids(cp)
+    cs, ce, ci, first, number = _form_candidates(n, qpos, counts, lens, kids, entity_ids)
+    segment = _blocks_to_segment(block_at, blocks, cs, ce, n)
+    unweighed = np.empty(kids.size, np.int64)
+    u = 0
+    boundary = np.zeros(n + 1, np.bool_)
+    score = np.zeros(n + 1)
+    nxt = np.zeros(n, np.int64)
+    word_end = np.empty(n, np.int64)
+    word_weight = np.empty(n, np.float64)
+    end = n
+    while end > 0:
+        while end > 0 and block_at[end - 1] < 0:  # the block ending at `end` (exclusive)
+            end -= 1
+        if end == 0:
+            break
+        b = block_at[end - 1]
+        start = end - 1
+        while start > 0 and block_at[start - 1] == b:
+            start -= 1
+        if segment[b]:
+            score[end] = 0.0
+            for k in range(end - 1, start - 1, -1):
+                if first[k] >= 0:  # the trie's matches: forms and jieba's words
+                    best, best_end, u = _trie_edge(
+                        k, end, first[k], number[k], lens, kids, weights, entity_ids, score, unweighed, u
+                    )
+                else:  # no form starts here: jieba's words
+                    found = _jieba_words(cp, k, end, table, slot_weight, pool, word_end, word_weight)
+                    best, best_end = _word_edge(found, word_end, word_weight, score)
+                if best_end < 0:
+                    best = (0.0 - logtotal) + score[k + 1]
+                    best_end = k
+                score[k] = best
+                nxt[k] = best_end + 1
+            x = start
+            while x < end:
+                x = nxt[x]
+                boundary[x] = True
+        end = start
+    if u:
+        return cs, ce, ci, np.zeros(cs.size, np.bool_), unweighed[:u]
+    return cs, ce, ci, _kept(cp, block_at, boundary, cs, ce), unweighed[:0]
+
+
+@_njit
+def _block_ids(cp: np.ndarray) -> tuple[np.ndarray, int]:
+    """The jieba block of each position (-1 outside every block), and how many blocks there are."""
+    n = cp.size
     block_at = np.full(n, -1, np.int64)
     b = -1
     for p in range(n):
@@ -265,6 +303,15 @@ def check(
             if p == 0 or block_at[p - 1] < 0:
                 b += 1
             block_at[p] = b
+    return block_at, b + 1
+
+
+@_njit
+def _form_candidates(
+    n: int, qpos: np.ndarray, counts: np.ndarray, lens: np.ndarray, kids: np.ndarray, entity_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, ends, entity ids of the matches that are forms; each position's first match and
+    number of matches, -1 and 0 where it was not queried)."""
     m = kids.size
     cs = np.empty(m, np.int64)
     ce = np.empty(m, np.int64)
@@ -285,71 +332,82 @@ def check(
                 ci[c] = entity
                 c += 1
             j += 1
-    cs, ce, ci = cs[:c], ce[:c], ci[:c]
-    segment = np.zeros(b + 1, np.bool_)
-    for x in range(c):
+    return cs[:c], ce[:c], ci[:c], first, number
+
+
+@_njit
+def _blocks_to_segment(
+    block_at: np.ndarray, blocks: int, cs: np.ndarray, ce: np.ndarray, n: int
+) -> np.ndarray:
+    """Whether each block holds a candidate boundary strictly inside it (only those are segmented)."""
+    segment = np.zeros(blocks, np.bool_)
+    for x in range(cs.size):
         if _inside(block_at, cs[x], n):
             segment[block_at[cs[x]]] = True
         if _inside(block_at, ce[x], n):
             segment[block_at[ce[x]]] = True
-    unweighed = np.empty(m, np.int64)
-    u = 0
-    boundary = np.zeros(n + 1, np.bool_)
-    keep = np.zeros(c, np.bool_)
-    score = np.zeros(n + 1)
-    nxt = np.zeros(n, np.int64)
-    word_end = np.empty(n, np.int64)
-    word_weight = np.empty(n, np.float64)
-    end = n
-    while end > 0:
-        while end > 0 and block_at[end - 1] < 0:  # the block ending at `end` (exclusive)
-            end -= 1
-        if end == 0:
+    return segment
+
+
+@_njit
+def _trie_edge(
+    k: int,
+    end: int,
+    first: int,
+    number: int,
+    lens: np.ndarray,
+    kids: np.ndarray,
+    weights: np.ndarray,
+    entity_ids: np.ndarray,
+    score: np.ndarray,
+    unweighed: np.ndarray,
+    u: int,
+) -> tuple[float, int, int]:
+    """The best DP edge from ``k`` over its trie matches (best score, its last index or -1, and
+    ``u`` after the forms found without a weight were appended to ``unweighed``)."""
+    best_end = -1
+    best = 0.0
+    for e in range(first, first + number):
+        i = k + lens[e] - 1
+        if i >= end:
             break
-        b = block_at[end - 1]
-        start = end - 1
-        while start > 0 and block_at[start - 1] == b:
-            start -= 1
-        if segment[b]:
-            score[end] = 0.0
-            for k in range(end - 1, start - 1, -1):
-                best_end = -1
-                best = 0.0
-                if first[k] >= 0:  # the trie's matches: forms and jieba's words
-                    for e in range(first[k], first[k] + number[k]):
-                        i = k + lens[e] - 1
-                        if i >= end:
-                            break
-                        w = weights[kids[e]]
-                        if w != w:  # NaN: a form not weighed yet, or neither form nor word
-                            if entity_ids[kids[e]] >= 0:
-                                unweighed[u] = kids[e]
-                                u += 1
-                            continue
-                        sc = w + score[i + 1]
-                        if best_end < 0 or sc >= best:
-                            best = sc
-                            best_end = i
-                else:  # no form starts here: jieba's words
-                    for x in range(_jieba_words(cp, k, end, table, slot_weight, pool, word_end, word_weight)):
-                        i = word_end[x]
-                        sc = word_weight[x] + score[i + 1]
-                        if best_end < 0 or sc >= best:
-                            best = sc
-                            best_end = i
-                if best_end < 0:
-                    best = (0.0 - logtotal) + score[k + 1]
-                    best_end = k
-                score[k] = best
-                nxt[k] = best_end + 1
-            x = start
-            while x < end:
-                x = nxt[x]
-                boundary[x] = True
-        end = start
-    if u:
-        return cs, ce, ci, keep, unweighed[:u]
-    for x in range(c):
+        w = weights[kids[e]]
+        if w != w:  # NaN: a form not weighed yet, or neither form nor word
+            if entity_ids[kids[e]] >= 0:
+                unweighed[u] = kids[e]
+                u += 1
+            continue
+        sc = w + score[i + 1]
+        if best_end < 0 or sc >= best:
+            best = sc
+            best_end = i
+    return best, best_end, u
+
+
+@_njit
+def _word_edge(
+    found: int, word_end: np.ndarray, word_weight: np.ndarray, score: np.ndarray
+) -> tuple[float, int]:
+    """The best DP edge over the ``found`` jieba words of a position (its last index or -1)."""
+    best_end = -1
+    best = 0.0
+    for x in range(found):
+        i = word_end[x]
+        sc = word_weight[x] + score[i + 1]
+        if best_end < 0 or sc >= best:
+            best = sc
+            best_end = i
+    return best, best_end
+
+
+@_njit
+def _kept(
+    cp: np.ndarray, block_at: np.ndarray, boundary: np.ndarray, cs: np.ndarray, ce: np.ndarray
+) -> np.ndarray:
+    """True for each candidate whose both ends are word boundaries and cut no Latin/digit run."""
+    n = cp.size
+    keep = np.zeros(cs.size, np.bool_)
+    for x in range(cs.size):
         s = cs[x]
         e = ce[x]
         keep[x] = (
@@ -358,4 +416,4 @@ def check(
             and not (0 < s < n and _is_alnum(cp[s - 1]) and _is_alnum(cp[s]))
             and not (0 < e < n and _is_alnum(cp[e - 1]) and _is_alnum(cp[e]))
         )
-    return cs, ce, ci, keep, unweighed[:0]
+    return keep

@@ -1,27 +1,18 @@
 """Text normalisation for entity matching, with a map back to the user's offsets.
 
-Per character: full-width → half-width and compatibility forms (Unicode NFKC), upper → lower
-case, traditional → simplified Chinese (OpenCC ``t2s``), and the middle-dot family (・ • ‧ ⋅ …)
-→ U+00B7, the dot Chinese writes between the parts of a foreign name (达·芬奇). Across
-characters: a base letter followed by combining marks (NFD, "e" + U+0301) is composed (NFC),
-so a decomposed accent matches a composed one.
-
-Every character maps to one character, so for composed (NFC) text — nearly all text —
-offsets in the normalised text ARE offsets in the original; only where marks are composed
-does :func:`normalize_with_offsets` return a map back.
-
-Why a table rather than ``OpenCC('t2s').convert(text)`` on every call: opencc-python converts
-about 0.4 M chars/s, slower than the whole linker's budget, and its phrase rules may change
-lengths. We ask OpenCC once for each CJK character (the phrase rules do not apply to a lone
-character) and fold the answers into a ``str.translate`` table, which runs at tens of M chars/s.
-Names and text go through the same table, so a character OpenCC maps differently inside a
-phrase (乾隆 vs 乾燥) still matches consistently.
+Per character: NFKC (full → half width), lower case, traditional → simplified (OpenCC ``t2s``,
+asked once per CJK character and folded into a ``str.translate`` table, since converting each
+text through OpenCC is slower than the whole linker), the middle-dot family → U+00B7; combining
+marks are composed (NFC). One character maps to one, so offsets carry over except where marks
+are composed (:func:`normalize_with_offsets` returns the map).
 """
 
 from __future__ import annotations
 
 import functools
 import unicodedata
+
+from rapiddiff.kg.cache import cached
 
 # CJK Unified Ideographs (+ Extension A) and the compatibility block: where t2s has entries.
 _CJK_RANGES = ((0x3400, 0x4DC0), (0x4E00, 0xA000), (0xF900, 0xFB00))
@@ -43,7 +34,6 @@ def normalization_table() -> dict[int, str]:
     Built once per machine (about a second: NFKC of 64 k characters and OpenCC of 28 k) and
     then read from the on-disk cache (:mod:`rapiddiff.kg.cache`).
     """
-    from rapiddiff.kg.cache import cached
 
     return cached("normalization", table_key(), _build_table)
 

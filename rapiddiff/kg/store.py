@@ -1,25 +1,10 @@
 """KnowledgeStore: trained entity/relation vectors with their names, aliases and facts, as a folder.
 
-Folder layout (the contract of DESIGN.md / COMMON.md)::
-
-    entities.tsv                       id<TAB>name<TAB>aliases (|-joined), a header line first
-    relations.tsv                      id<TAB>name, a header line first
-    entity_embeddings.safetensors      "embeddings": float32 [n_entities, dim]
-    relation_embeddings.safetensors    "embeddings": float32 [n_relations, dim]
-    triples.tsv                        head<TAB>relation<TAB>tail NAMES (readable by read_triples),
-                                       distinct, in (head, relation, tail) id order since
-                                       2026-11-23 (earlier stores: any order; both read alike)
-    config.json                        dim, model, counts, training config and held-out metrics
-    names.marisa, names.ids.npy        optional name index (see NAME_INDEX below)
-    triples.ids.npy                    optional: triples.tsv as int64 store ids [T, 3], same order
-                                       (since 2026-11-23; see TRIPLE_IDS below)
-    linker/                            optional: the EntityLinker's index of the names and aliases
-                                       (large stores; see LINKER_MIN_ENTITIES below)
-
-Loading never unpickles: text, JSON and safetensors only. The vector files are memory-mapped
-(copy-on-write), and names and triples are read on first use, so a store of millions of
-entities opens in milliseconds and pages in only what is touched; the triples too are mapped
-from their id copy where the store has one, instead of parsed from triples.tsv.
+Layout: ``entities.tsv`` (id, name, |-joined aliases), ``relations.tsv``, ``entity_embeddings`` and
+``relation_embeddings.safetensors`` (float32 [n, dim]), ``triples.tsv`` (names, distinct, sorted by
+id), ``config.json`` (dim, counts, training config, held-out metrics), and optional indexes
+(``names.marisa``, ``triples.ids.npy``, ``linker/``). Loading never unpickles; vectors are
+memory-mapped and names and triples read on first use, so a store of millions opens in milliseconds.
 """
 
 from __future__ import annotations
@@ -31,7 +16,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rapiddiff.kg.triples import _check_fields, group_triples, write_triples_array
+from rapiddiff.kg.linker_index import STORE_INDEX, surface_index, write_store_index
+from rapiddiff.kg.normalize import normalize
+from rapiddiff.kg.triples import (
+    KGFormatError,
+    check_fields,
+    group_triples,
+    read_triples_array,
+    write_triples_array,
+)
 from rapiddiff.utils.io import atomic_open, atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -71,6 +64,8 @@ _KEY = "embeddings"
 
 class KnowledgeStore:
     """Entities (names, aliases, vectors), relations (names, vectors) and facts of one KG."""
+
+    ENTITIES_FILE = ENTITIES  # for the linker's index, which identifies a store by this file
 
     def __init__(
         self,
@@ -133,7 +128,7 @@ class KnowledgeStore:
                     if n in seen:
                         raise ValueError(f"{label} names must be unique; {n!r} appears twice")
                     seen.add(n)
-            _check_fields(items, f"{label} name")
+            check_fields(items, f"{label} name")
         if aliases is None:
             alias_lists: list[list[str]] = [[] for _ in names]
         elif isinstance(aliases, Mapping):
@@ -147,7 +142,7 @@ class KnowledgeStore:
                 raise ValueError(f"aliases must have one list per entity ({len(names)}), got {len(aliases)}")
             alias_lists = [list(a) for a in aliases]
         all_aliases = [a for items in alias_lists for a in items]
-        _check_fields(all_aliases, "alias")
+        check_fields(all_aliases, "alias")
         if "|" in "\x00".join(all_aliases):
             bad = next(a for a in all_aliases if "|" in a)
             raise ValueError(f"alias {bad!r} contains '|', the alias separator of entities.tsv")
@@ -240,8 +235,6 @@ class KnowledgeStore:
         self.config = config
         # Last: the store is complete without it, should its build run out of memory. Taken from
         # the folder the store was loaded from where that has a matching one (self.path, still).
-        from rapiddiff.kg.linker import STORE_INDEX, write_store_index
-
         if len(self) >= LINKER_MIN_ENTITIES if linker is None else linker:
             write_store_index(self, path)
         elif (path / STORE_INDEX).exists():
@@ -381,8 +374,6 @@ class KnowledgeStore:
             return saved
         import numpy as np
 
-        from rapiddiff.kg.triples import KGFormatError, read_triples_array
-
         ids, file_entities, file_relations = read_triples_array(file)
         columns = []
         for column, names, ours, what in (
@@ -410,7 +401,7 @@ class KnowledgeStore:
         assert self.path is not None
         file = self.path / TRIPLE_IDS
         if not file.is_file():
-            return None  # a store written before 2026-11-23, or the file deleted: the TSV is read
+            return None  # an older store's layout, or the file deleted: the TSV is read
         import numpy as np
         import torch
 
@@ -464,11 +455,8 @@ class KnowledgeStore:
         if key_id is not None:
             return int(ids[key_id])
         if self._norm_index is None:  # built only when an exact lookup misses
-            from rapiddiff.kg.linker import _surface_index
-
-            norm_trie, norm_ids, *_ = _surface_index(self.forms())
+            norm_trie, norm_ids, *_ = surface_index(self.forms())
             self._norm_index = (norm_trie, norm_ids)
-        from rapiddiff.kg.normalize import normalize
 
         norm_trie, norm_ids = self._norm_index
         key_id = norm_trie.get(normalize(name_or_alias.strip()))

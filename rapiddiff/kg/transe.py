@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapiddiff.kg.store import KnowledgeStore
+from rapiddiff.kg.triples import group_triples, read_aliases, read_triples_array
+from rapiddiff.utils.config import config_to_dict, load_config
+from rapiddiff.utils.device import resolve_device
+from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -106,6 +111,12 @@ class TransEConfig:
     fact in the vectors. The saved metrics stay those of the held-out run."""
 
     def __post_init__(self) -> None:
+        self._check_source()
+        self._check_training()
+        self._check_evaluation()
+        self._check_smoothing()
+
+    def _check_source(self) -> None:
         if (self.dataset is None) == (self.triples is None):
             raise ValueError(
                 "give exactly one of 'dataset' (a pykeen dataset name) or 'triples' (a TSV file)"
@@ -116,6 +127,8 @@ class TransEConfig:
             raise ValueError(
                 f"'split' must be three positive ratios summing to 1 (train, validation, test), got {self.split}"
             )
+
+    def _check_training(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss '{self.loss}'; choose one of: {', '.join(LOSSES)}")
         if self.optimizer not in OPTIMIZERS:
@@ -131,6 +144,14 @@ class TransEConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"'{name}' must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"'lr' must be positive, got {self.lr}")
+        if self.training_loop == "lcwa" and self.loss in ("marginranking", "nssa"):
+            raise ValueError(
+                f"loss '{self.loss}' needs sampled negatives; use training_loop: slcwa or loss crossentropy"
+            )
+
+    def _check_evaluation(self) -> None:
         if self.eval_max_triples is not None and self.eval_max_triples < 1:
             raise ValueError(f"'eval_max_triples' must be at least 1 or null, got {self.eval_max_triples}")
         if self.eval_max_triples is not None and self.early_stopping:
@@ -140,8 +161,8 @@ class TransEConfig:
             )
         if self.early_stopping_patience < 0:
             raise ValueError(f"'early_stopping_patience' must be >= 0, got {self.early_stopping_patience}")
-        if not self.lr > 0:
-            raise ValueError(f"'lr' must be positive, got {self.lr}")
+
+    def _check_smoothing(self) -> None:
         if self.label_smoothing is not None and not 0 <= self.label_smoothing < 1:
             raise ValueError(f"'label_smoothing' must be in [0, 1), got {self.label_smoothing}")
         if self.label_smoothing and self.training_loop != "lcwa":
@@ -155,15 +176,10 @@ class TransEConfig:
                 "'label_smoothing_style: label' only changes loss crossentropy (bcewithlogits already "
                 "smooths each label); set loss: crossentropy or drop the key"
             )
-        if self.training_loop == "lcwa" and self.loss in ("marginranking", "nssa"):
-            raise ValueError(
-                f"loss '{self.loss}' needs sampled negatives; use training_loop: slcwa or loss crossentropy"
-            )
 
 
 def load_transe_config(path: str | Path, **overrides: Any) -> TransEConfig:
     """A :class:`TransEConfig` from YAML; unknown keys name the valid ones."""
-    from rapiddiff.utils.config import load_config
 
     return load_config(TransEConfig, path, **overrides)
 
@@ -187,8 +203,6 @@ def _load_data(
             dataset=cfg.dataset, dataset_kwargs={"create_inverse_triples": cfg.create_inverse_triples}
         )
         return dataset, None, None
-
-    from rapiddiff.kg.triples import read_aliases, read_triples_array
 
     # Ids straight from the file (pyarrow + numpy): the same ids as pykeen's from_labeled_triples,
     # without a Python tuple or a numpy string per triple.
@@ -243,7 +257,19 @@ def coverage_split(factory: Any, ratios: list[float], seed: int) -> list[Any]:
     del rows, first
     train_seed, remaining = mapped[seed_mask], mapped[~seed_mask]
     if len(train_seed) > sizes[0]:
-        raise ValueError(f"could not cover every entity and relation with {sizes[0]} training triples")
+        sizes = _covering_sizes(n, len(train_seed), ratios)
+        log.warning(
+            "%d triples: a training part of %.0f%% (%d) cannot hold one triple of each of the %d "
+            "entities and %d relations (%d needed); split as %d train / %d validation / %d test instead. "
+            "A larger KG, or a larger first 'split' ratio, keeps the configured split.",
+            n,
+            100 * ratios[0] / sum(ratios),
+            get_absolute_split_sizes(n_total=n, ratios=normalize_ratios(ratios))[0],
+            factory.num_entities,
+            factory.num_relations,
+            len(train_seed),
+            *sizes,
+        )
     sizes = [sizes[0] - len(train_seed), *sizes[1:]]
     permutation = torch.randperm(len(remaining), generator=ensure_torch_random_state(seed))
     # index_select: the same rows as pykeen's remaining[part], 3x faster than advanced indexing
@@ -254,6 +280,32 @@ def coverage_split(factory: Any, ratios: list[float], seed: int) -> list[Any]:
         factory.clone_and_exchange_triples(mapped_triples=t, create_inverse_triples=None if i == 0 else False)
         for i, t in enumerate(parts)
     ]
+
+
+def _covering_sizes(n: int, needed: int, ratios: list[float]) -> list[int]:
+    """Split sizes for a KG too small for its ratios: the ``needed`` covering triples train, the
+    rest is held out, validation and test in their configured proportion."""
+    held = n - needed
+    validation = int(held * ratios[1] / (ratios[1] + ratios[2]))
+    return [needed, validation, held - validation]
+
+
+def _held_out_or_training(dataset: Any) -> tuple[Any, str | None]:
+    """``dataset`` with an empty test part replaced by the training triples (and an empty
+    validation part by the test part), and a note saying so; a KG whose every triple covers an
+    entity or relation has nothing to hold out, yet still trains."""
+    from pykeen.datasets.base import EagerDataset
+
+    testing, validation, note = dataset.testing, dataset.validation, None
+    if testing.num_triples == 0:
+        testing, note = dataset.training, "on the training triples (the KG is too small to hold any out)"
+    if validation.num_triples == 0:
+        validation = testing
+        note = note or "early stopping on the test triples (the KG is too small for a validation part)"
+    if note is None:
+        return dataset, None
+    log.warning("TransE metrics %s", note)
+    return EagerDataset(training=dataset.training, testing=testing, validation=validation), note
 
 
 def _metrics(metric_results: Any) -> dict[str, float]:
@@ -315,15 +367,13 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
     """
     import torch
 
-    from rapiddiff.utils.config import config_to_dict
-    from rapiddiff.utils.device import resolve_device
-
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
     loading = time.perf_counter()
     skipped: Skipped | None = [] if cfg.bad_lines == "skip" else None
     dataset, full, aliases = _load_data(cfg, skipped)
+    dataset, held_out_note = _held_out_or_training(dataset)
     load_seconds = time.perf_counter() - loading
     log.info(
         "data: %d entities, %d relations; %d train / %d validation / %d test triples",
@@ -391,7 +441,8 @@ def train_transe(cfg: TransEConfig, *, save: bool = True) -> tuple[KnowledgeStor
         model="TransE",
         scoring_norm=cfg.scoring_norm,
         metrics={k: metrics[k] for k in ("mrr", "mean_rank", "hits_at_1", "hits_at_3", "hits_at_10")},
-        evaluation="filtered rank-based link prediction on the test triples (head and tail), pykeen",
+        evaluation="filtered rank-based link prediction on the test triples (head and tail), pykeen"
+        + (f"; {held_out_note}" if held_out_note else ""),
         training={**metrics, "config": config_to_dict(cfg)},
         vectors_from="all triples (train_on_all)" if cfg.train_on_all else "training split",
         source=cfg.dataset or str(cfg.triples),
@@ -410,7 +461,6 @@ SKIPPED_LINES = "skipped_lines.tsv"
 
 def _write_skipped(path: Path, skipped: Skipped) -> None:
     """Every skipped line as ``file:line<TAB>reason`` (none: no file; an earlier run's is removed)."""
-    from rapiddiff.utils.io import atomic_open
 
     if not skipped:
         path.unlink(missing_ok=True)
@@ -495,7 +545,7 @@ def _filtered_evaluation(cfg: TransEConfig, model: Any, dataset: Any, mapped: An
     on the model's device, through one int64 key per triple (a radix sort of 140 M keys), and
     handed to pykeen's evaluator as they are: its own ``prepare_filter_triples`` would take the
     same set with ``unique(dim=0)``, a row-comparing sort whose time and memory at this size are
-    unknown (the one attempt, 2026-11-22, reached 78 GB of GPU memory in its first 9 s).
+    unknown (one attempt at 140 M triples reached 78 GB of GPU memory in its first 9 s).
     """
     from unittest import mock
 
@@ -606,8 +656,6 @@ def _all_triples_dataset(dataset: Any, full: Any) -> Any:
 def _to_store(model: Any, dataset: Any, full: Any, aliases: dict[str, list[str]] | None) -> KnowledgeStore:
     import torch
 
-    from rapiddiff.kg.store import KnowledgeStore
-
     training = dataset.training
     entity_names = _names(training.entity_to_id)
     relation_names = _names(training.relation_to_id)
@@ -635,8 +683,6 @@ def _sorted_unique(triples: Any, n_entities: int, n_relations: int) -> Any:
     """
     import numpy as np
     import torch
-
-    from rapiddiff.kg.triples import group_triples
 
     array = triples.cpu().numpy().astype(np.int64, copy=False)
     return torch.from_numpy(group_triples(array, n_entities, n_relations))

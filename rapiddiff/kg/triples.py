@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rapiddiff.utils.io import atomic_open
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -169,7 +170,6 @@ def _alias_fields(path: Path, number: int, line: str, known: Collection[str] | N
 
 def write_triples(path: str | Path, triples: Collection[Triple], header: str | None = None) -> None:
     """Write triples as TSV (atomically); names may not hold tabs or line breaks."""
-    from rapiddiff.utils.io import atomic_open
 
     with atomic_open(path, "w", encoding="utf-8") as handle:
         if header:
@@ -187,7 +187,7 @@ def _check_field(value: str, where: str | Path) -> None:
         )
 
 
-def _check_fields(values: Sequence[str], where: str | Path) -> None:
+def check_fields(values: Sequence[str], where: str | Path) -> None:
     """:func:`_check_field` for every value, the all-fine case in passes that run no Python code
     per value (``all``, ``in`` on one joined string, ``map``): 16 M names in seconds instead of
     a minute; a bad value is then found by the per-value check, which names it."""
@@ -393,8 +393,6 @@ def write_triples_array(
     :func:`group_triples` first.
     """
     import numpy as np
-
-    from rapiddiff.utils.io import atomic_open
 
     ent_tab, ent_tab_start, ent_len = _name_buffer(entity_names, b"\t", path)
     ent_nl, ent_nl_start, _ = _name_buffer(entity_names, b"\n", path)

@@ -16,6 +16,8 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from rapiddiff.utils.io import atomic_write_text
+
 T = TypeVar("T")
 
 
@@ -71,7 +73,6 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically), to sit beside what it produced."""
-    from rapiddiff.utils.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), allow_unicode=True, sort_keys=False))
 
@@ -104,33 +105,19 @@ def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = get_origin(tp)
+    """``value`` as type ``tp`` (a field's annotation), or a ConfigError naming ``where``."""
     if tp is Any:
         return value
+    origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+        return _coerce_union(get_args(tp), value, where)
     if origin is typing.Literal:
         choices = get_args(tp)
         if value not in choices:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
         return value
     if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        (item,) = get_args(tp)[:1] or (Any,)
-        items = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
+        return _coerce_sequence(origin, get_args(tp), value, where)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
@@ -141,27 +128,55 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
         return _build(tp, value, where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
     if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return _coerce_float(value, where)
+    return _coerce_scalar(tp, value, where)
+
+
+def _coerce_union(args: tuple[Any, ...], value: Any, where: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
         try:
-            return float(value)  # YAML reads "1e-3" as a string; accept it
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from err
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            return _coerce(arg, value, where)
+        except ConfigError as err:
+            errors.append(str(err))
+    raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+
+
+def _coerce_sequence(origin: type, args: tuple[Any, ...], value: Any, where: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    (item,) = args[:1] or (Any,)
+    items = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return items if origin is list else tuple(items)
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    try:
+        return float(value)  # YAML reads "1e-3" as a string; accept it
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: expected a number, got {value!r}") from err
+
+
+# What a scalar field accepts, and how the error names it. bool is checked before int can take it.
+_SCALARS: dict[Any, tuple[Any, str]] = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    str: (lambda v: isinstance(v, str), "a string"),
+    Path: (lambda v: isinstance(v, (str, Path)), "a path"),
+}
+
+
+def _coerce_scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp not in _SCALARS:
         return value
-    if tp is Path:
-        if not isinstance(value, (str, Path)):
-            raise ConfigError(f"{where}: expected a path, got {value!r}")
-        return Path(value)
-    return value
+    accepts, expected = _SCALARS[tp]
+    if not accepts(value):
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
+    return Path(value) if tp is Path else value

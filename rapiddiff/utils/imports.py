@@ -84,8 +84,8 @@ def missing_bytecode(names: Iterable[str] = HEAVY_IMPORTS) -> list[str]:
 
     A container that sets ``PYTHONDONTWRITEBYTECODE=1`` over a ``pip install --no-compile`` (or an
     image that ships torch without ``__pycache__``) compiles every imported module from source in
-    every new process: on the H100 machine that doubled a package process's start (23.5 s vs
-    11.1 s to full speed, BENCHMARKS.md). ``python -m compileall`` fixes it once."""
+    every new process, which can double a package process's start. ``python -m compileall``
+    fixes it once."""
     missing = []
     for name in names:
         spec = importlib.util.find_spec(name)

@@ -87,3 +87,28 @@ def test_prepare_without_store_has_no_annotations(folder, tmp_path):
     assert not (tmp_path / "p" / "annotations.jsonl").exists()
     ds = ImageTextDataset(folder, image_size=16, prepared=tmp_path / "p")
     assert "entities" not in ds[0] and [ds[i]["index"] for i in range(3)] == [0, 2, 4]
+
+
+def test_a_prepared_folder_is_the_data_of_a_training_run(tmp_path, monkeypatch):
+    """`data prepare`'s output folder is a valid `--data.train` (here: a 1-step U-Net fit): the
+    table it was prepared from, with its checked rows, so the bad image is never opened."""
+    from rapiddiff.cli import main
+    from rapiddiff.train import unet as unet_stage
+    from tests.train.helpers import read_losses, tiny_unet_args, write_imagefolder
+
+    data = write_imagefolder(tmp_path / "data", n=4)
+    (data / "0003.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")  # skipped by prepare, counted there
+    out = tmp_path / "prepared"
+    assert main(["data", "prepare", str(data), "--out", str(out), "--image-size", "16"]) == 0
+    dataset = ImageTextDataset(out, image_size=16)
+    assert dataset.table == data / "metadata.jsonl" and dataset.indices == [0, 1, 2]
+    monkeypatch.setattr(
+        ImageTextDataset, "_scan", lambda *a, **k: pytest.fail("the prepared rows were scanned")
+    )
+    root = tmp_path / "run"
+    record = [
+        "--trainer.callbacks=tests.train.helpers.RecordLosses",
+        f"--trainer.callbacks.path={root / 'l.txt'}",
+    ]
+    unet_stage.cli_main([*tiny_unet_args(out, root, max_steps=1), *record])
+    assert list(read_losses(root / "l.txt")) == [1]  # one optimizer step ran

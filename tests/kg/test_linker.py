@@ -103,7 +103,8 @@ def test_fused_segmentation_equals_jieba(linker: EntityLinker) -> None:
 
     import jieba
 
-    from rapiddiff.kg.linker import _JIEBA_BLOCK, _jieba_dictionary
+    from rapiddiff.kg.linker import _JIEBA_BLOCK
+    from rapiddiff.kg.linker_index import jieba_dictionary as _jieba_dictionary
 
     rng = random.Random(0)
     pieces = [
@@ -199,7 +200,8 @@ def test_normalize_with_offsets_maps_back() -> None:
 def test_suggested_frequency_is_jiebas() -> None:
     import jieba
 
-    from rapiddiff.kg.linker import _jieba_dictionary, suggested_frequency
+    from rapiddiff.kg.linker import suggested_frequency
+    from rapiddiff.kg.linker_index import jieba_dictionary as _jieba_dictionary
 
     freq, total = _jieba_dictionary()
     tok = jieba.Tokenizer()
@@ -274,9 +276,9 @@ def test_compiled_word_check_keeps_what_the_python_reference_keeps(
     as linker_dp's plain-Python twin (what a process uses for its first few thousand characters)."""
     import random
 
-    from rapiddiff.kg import linker as linker_module
     from rapiddiff.kg import linker_dp
-    from rapiddiff.kg.linker import _jieba_dictionary
+    from rapiddiff.kg import linker_index as linker_module
+    from rapiddiff.kg.linker_index import jieba_dictionary as _jieba_dictionary
     from rapiddiff.kg.normalize import normalize
 
     monkeypatch.setattr(linker_module, "_PLAIN_CHARS", 10**12 if loops == "plain" else 0)
@@ -314,7 +316,9 @@ def test_jieba_hash_table_is_jiebas_dictionary() -> None:
     import numpy as np
 
     from rapiddiff.kg import linker_dp
-    from rapiddiff.kg.linker import _jieba, _jieba_dictionary, _jieba_table
+    from rapiddiff.kg.linker_index import jieba_dictionary as _jieba_dictionary
+    from rapiddiff.kg.linker_index import jieba_table as _jieba_table
+    from rapiddiff.kg.linker_index import jieba_words as _jieba
 
     freq, _ = _jieba_dictionary()
     d = _jieba()
@@ -368,7 +372,7 @@ def test_cached_index_is_the_built_one(monkeypatch: pytest.MonkeyPatch, tmp_path
     entity ids, weights, heads and lengths, and the same spans; nothing is built the second time."""
     import numpy as np
 
-    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_index as linker_module
 
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
     lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0, "大熊猫": 8, "蕃茄": 0}
@@ -414,7 +418,7 @@ def test_changed_lexicon_never_reuses_an_old_index(monkeypatch: pytest.MonkeyPat
 
 def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Another linker version (or jieba dictionary) does not read this one's index."""
-    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_index as linker_module
 
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
     EntityLinker({"番茄": 0})
@@ -427,14 +431,14 @@ def test_index_cache_is_keyed_on_the_code_and_jieba(monkeypatch: pytest.MonkeyPa
     )  # other words
     EntityLinker({"番茄": 0})
     assert len(_index_folders(tmp_path)) == 3
-    # The code digest covers linker.py and linker_dp.py (the head set's hash layout is cached).
+    # The code digest covers linker_index.py and linker_dp.py (the head set's hash layout is cached).
     code = tmp_path / "code"
     code.mkdir()
-    for name in ("linker.py", "linker_dp.py"):
+    for name in ("linker_index.py", "linker_dp.py"):
         (code / name).write_bytes(Path(linker_module.__file__).with_name(name).read_bytes())
-    monkeypatch.setattr(linker_module, "__file__", str(code / "linker.py"))
+    monkeypatch.setattr(linker_module, "__file__", str(code / "linker_index.py"))
     digests = [linker_module._code_digest.__wrapped__()]
-    for name in ("linker_dp.py", "linker.py"):
+    for name in ("linker_dp.py", "linker_index.py"):
         with (code / name).open("a") as f:
             f.write("# edited\n")
         digests.append(linker_module._code_digest.__wrapped__())
@@ -462,7 +466,7 @@ def test_damaged_or_unwritable_index_cache_builds_again(
 
 
 def test_index_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from rapiddiff.kg import linker as linker_module
+    from rapiddiff.kg import linker_index as linker_module
 
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linker_module, "_KEEP_INDEXES", 2)
@@ -483,8 +487,8 @@ def test_a_short_text_links_without_starting_numba(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from rapiddiff.kg import linker as linker_module
     from rapiddiff.kg import linker_dp
+    from rapiddiff.kg import linker_index as linker_module
 
     assert linker_module.plain_dp().__name__ == linker_dp.PLAIN_TWIN
     lexicon = {name: i for i, name in enumerate(NAMES)} | {"西红柿": 0}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rapiddiff.kg import linker as linker_module
+from rapiddiff.kg import linker_index as linker_module
 from rapiddiff.kg import store as store_module
 from rapiddiff.kg.linker import EntityLinker
 from rapiddiff.kg.store import KnowledgeStore

@@ -4,6 +4,7 @@ and ``rapiddiff kg train`` writes a store that loads, links and describes itself
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from pathlib import Path
 
@@ -248,3 +249,54 @@ def test_sampled_filtered_evaluation_equals_pykeens() -> None:
         use_tqdm=False,
     )
     assert ours["mean_rank"] < transe._metrics(fewer)["mean_rank"]
+
+
+def test_a_small_kg_trains_from_a_triples_file_alone(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three triples over five entities: every triple covers an entity, so nothing can be held
+    out. `kg train --triples FILE` (no YAML) still trains, says what it did, and the store notes
+    that its metrics are on the training triples."""
+    triples = tmp_path / "tiny.tsv"
+    triples.write_text("番茄\t颜色\t红色\n香蕉\t颜色\t黄色\n番茄\t类别\t水果\n", encoding="utf-8")
+    aliases = tmp_path / "aliases.tsv"
+    aliases.write_text("番茄\t西红柿\n", encoding="utf-8")
+    out = tmp_path / "store"
+    args = ["kg", "train", "--triples", str(triples), "--aliases", str(aliases), "--out", str(out)]
+    logger = logging.getLogger("rapiddiff")
+    logger.addHandler(caplog.handler)  # the CLI's own handler keeps rapiddiff's records from the root
+    try:
+        assert main([*args, "--epochs", "2", "--device", "cpu"]) == 0
+    finally:
+        logger.removeHandler(caplog.handler)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["store"] == str(out) and printed["test_triples"] == 3
+    assert "cannot hold one triple of each of the 5 entities and 2 relations" in caplog.text
+    store = KnowledgeStore.load(out)
+    assert len(store) == 5 and store.id_of("西红柿") == store.id_of("番茄")
+    assert "on the training triples" in store.config["evaluation"]
+
+
+@pytest.mark.parametrize("n_extra", [0, 10])
+def test_coverage_split_of_a_small_kg_trains_the_cover_and_holds_out_the_rest(n_extra: int) -> None:
+    """Where the ratio's training part is smaller than the cover, the cover trains and the
+    remaining triples are held out in the configured validation : test proportion."""
+    import numpy as np
+    import torch
+    from pykeen.triples import TriplesFactory
+
+    from rapiddiff.kg.transe import coverage_split
+
+    rows = [["a", "r", "b"], ["c", "r", "d"], ["e", "s", "f"]]  # the cover: one triple of each
+    more = ["brc", "dre", "fra", "bsd", "cse", "asf", "era", "fsb", "dsa", "cra"]  # among the same
+    rows += [list(t) for t in more[:n_extra]]
+    factory = TriplesFactory.from_labeled_triples(np.array(rows))
+    parts = coverage_split(factory, [0.1, 0.45, 0.45], seed=0)
+    train, validation, test = (p.num_triples for p in parts)
+    assert train + validation + test == len(rows) and train > 0.1 * len(rows)  # the cover, not 10 %
+    assert validation == test == (len(rows) - train) // 2  # the rest held out, 0.45 : 0.45
+    assert n_extra or train == 3  # nothing left to hold out
+    covered = torch.cat([parts[0].mapped_triples[:, 0], parts[0].mapped_triples[:, 2]]).unique()
+    assert len(covered) == factory.num_entities

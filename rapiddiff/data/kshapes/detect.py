@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from rapiddiff.data.kshapes.palette import BACKGROUND_LAB, COLOUR_LAB, LAYOUTS, srgb_to_lab
-from rapiddiff.data.kshapes.render import SHAPE_SIZE
+from rapiddiff.data.kshapes.render import SHAPE_SIZE, ShapeSpec, render
 
 SEED_THRESHOLD = 18.0  # ΔE from the background that surely belongs to the object
 MIN_AREA = 0.002  # blobs smaller than this fraction of the image are no object
@@ -57,7 +57,6 @@ def radial_harmonics(mask: np.ndarray, bins: int = 48) -> np.ndarray:
 
 def _ideal_features() -> dict[str, np.ndarray]:
     """Features of each shape's ideal drawing, measured on a render (the prototypes)."""
-    from rapiddiff.data.kshapes.render import ShapeSpec, render
 
     out = {}
     for shape in SHAPE_SIZE:

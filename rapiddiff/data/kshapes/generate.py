@@ -36,6 +36,7 @@ from rapiddiff.data.kshapes.entities import (
 )
 from rapiddiff.data.kshapes.palette import COLOURS, LAYOUTS, SHAPES, compatible_backgrounds
 from rapiddiff.data.kshapes.render import ShapeSpec, render
+from rapiddiff.utils.config import save_config
 from rapiddiff.utils.io import atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
@@ -373,8 +374,6 @@ def _jsonl(rows: list[dict[str, Any]]) -> str:
 def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Write the benchmark into ``cfg.out``; returns a summary (counts per split, held-out names)."""
     from tqdm.auto import tqdm
-
-    from rapiddiff.utils.config import save_config
 
     out = cfg.out
     _prepare_out(out, overwrite)
