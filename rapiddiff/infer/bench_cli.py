@@ -21,8 +21,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", default="sd15", help="architecture for random weights: sd15, kshapes, tiny"
     )
-    parser.add_argument("--steps", type=int, help="denoising steps (PNDM; default: the protocol's 50)")
-    parser.add_argument("--guidance", type=float, help="guidance scale (default: the protocol's 7.5)")
+    parser.add_argument("--steps", type=int, help="denoising steps (PNDM; default: the bench protocol's)")
+    parser.add_argument("--guidance", type=float, help="guidance scale (default: the bench protocol's)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes to time")
     parser.add_argument(
         "--variants",

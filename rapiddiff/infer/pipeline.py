@@ -135,7 +135,7 @@ class RapidDiffusionPipeline:
                 type(pipe.scheduler).__name__,
                 ", ".join(SCHEDULERS),
             )
-        sampling = SamplingDefaults(scheduler=kind or "pndm")
+        sampling = SamplingDefaults(scheduler=kind or SamplingDefaults().scheduler)
         return cls(
             pipe.unet, pipe.vae, pipe.scheduler, encoder, model_name=Path(str(name)).name, sampling=sampling
         )

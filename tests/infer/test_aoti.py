@@ -294,7 +294,7 @@ def test_store_keys_packages_to_the_model_folders_weights(tmp_path, monkeypatch)
     store = fast_aoti.PackageStore(tmp_path / "accelerated", tmp_path, "load")
     digest, _ = fast_aoti.weights_fingerprint(tmp_path, "unet")
     _fake_package(tmp_path / "accelerated", _module(), weights=digest)
-    assert store.resolve("unet", _module(), (), FIELDS, CPU, torch.float32)[1].startswith("loaded")
+    assert str(store.resolve("unet", _module(), (), FIELDS, CPU, torch.float32)[1]).startswith("loaded")
     weights.write_bytes(b"y" * 64)  # fine-tuned weights saved over the old ones
     call, status, _ = store.resolve("unet", _module(), (), FIELDS, CPU, torch.float32)
     status = str(status)  # the rendered SwitchStatus
