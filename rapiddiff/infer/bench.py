@@ -1,25 +1,9 @@
-"""``rapiddiff bench``: stock diffusers, the strongest stock torch.compile recipe and rapiddiff's fast path,
-timed side by side in one process on the same weights, seed and prompt.
-
-Variants (each on a freshly built pipeline with identical weights):
-
-- ``eager``: stock ``StableDiffusionPipeline`` in fp16 with PyTorch SDPA (the parity reference);
-- ``recipe``: channels_last + fused QKV + ``torch.compile(unet, mode="reduce-overhead",
-  fullgraph=True)`` + compiled VAE decode, as huggingface/diffusion-fast does it;
-- ``rapiddiff``: :func:`rapiddiff.infer.accelerate.accelerate` with its defaults;
-- ``rapiddiff-tome``: the same, images made with token merging (``token_merge``, approximate; its
-  note gives the PSNR against the exact ``rapiddiff`` image when that ran first).
-- ``rapiddiff+KEY=VALUE[,KEY=VALUE...]``: the defaults with :class:`~rapiddiff.infer.accelerate.AccelerateConfig`
-  fields changed (a bare KEY means true), e.g. ``rapiddiff+attention=flash``; each its own row,
-  compiled afresh (no compile-cache file).
-
-Per variant and batch size: it/s (denoising steps per second of end-to-end time, as diffusers'
-progress bar counts them), images/s, end-to-end seconds (median of
-``torch.utils.benchmark.Timer.blocked_autorange``), peak GPU memory, warm-up (applying the
-transforms plus three warm-up images), and parity with ``eager``: relative error of the final
-latents and PSNR of the decoded image. Random weights of the SD 1.5 architecture unless a model
-folder is given: speed does not depend on weight values. Writes ``bench.json``, ``bench.md`` and
-one PNG with every variant's first image side by side.
+"""``rapiddiff bench``: stock diffusers (``eager``), the strongest stock torch.compile ``recipe``
+(diffusion-fast's) and rapiddiff's fast path (``rapiddiff``, ``rapiddiff-tome``,
+``rapiddiff+KEY=VALUE[,...]`` for other switches), timed side by side in one process on the same
+weights, seed and prompt: it/s, images/s, end-to-end seconds (``blocked_autorange`` median), peak
+memory, warm-up, and parity with ``eager`` (latent relative error, image PSNR). Writes
+``bench.json``, ``bench.md`` and the first images side by side.
 """
 
 from __future__ import annotations

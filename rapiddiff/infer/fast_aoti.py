@@ -1,32 +1,11 @@
 """AOTInductor packages of the fast path's U-Net and VAE decoder: compiled once, loaded in a new process.
 
-``torch.compile`` with the compile cache still re-traces the model with Dynamo in every new process
-(tens of seconds for SD 1.5). A package made with ``torch.export`` + ``aoti_compile_and_package``
-holds the compiled kernels and the C++ wrapper; loading it is ``dlopen`` plus reading the kernels.
-
-One package per part ("unet", "decoder"), shape and device, in ``<model folder>/accelerated/``::
-
-    unet-x2x4x64x64-c2x77x768-nvidia-h100-80gb-hbm3.pt2    the AOTInductor package (no weights)
-    unet-x2x4x64x64-c2x77x768-nvidia-h100-80gb-hbm3.json   its manifest: the key it was built for
-
-**No weights in the package.** It is built with ``package_constants_in_so=False`` and, on load, pointed at
-the live module's own parameters (``load_constants(..., user_managed=True)``): a merged LoRA or any
-other in-memory weight change runs as it is, and the package costs no second copy of the weights.
-What the compiled code *does* depend on is checked before every load, field by field against the
-manifest (:func:`check_package`): format, part, torch and CUDA versions, device name and capability
-(CPU: its ISA level), the libstdc++ it runs against, dtype, input shapes, the fast path's switches
-(channels_last, fused QKV, attention backend, cross-attention K/V, batched time projections), the
-Inductor options, a hash of the weights files
-(policy: a new model is a new build), and the name, shape, stride and dtype of every constant the
-package reads (the layout its kernels were generated for). Then the file's size and SHA-256 against
-the manifest (a truncated or corrupt file). Any difference → the reason, logged; the caller rebuilds
-(``aoti="build"``) or falls back to ``torch.compile`` (``aoti="load"``). A package is never loaded
-against a key it was not built for.
-
-**Built to load.** The C++ compiler is one whose code runs in this Python
-(:mod:`rapiddiff.infer.aoti_toolchain`), and a new package is opened in a fresh process
-(:func:`check_loads`) before it is kept: a package built by a compiler that links its own
-libstdc++ can crash the process that loads it.
+A package (``torch.export`` + ``aoti_compile_and_package``, no weights inside: on load it reads the
+live module's parameters) spares a new process Dynamo's tracing. One package per part, shape and
+device in ``<model folder>/accelerated/``, beside a manifest holding the key it was built for;
+:func:`check_package` compares that key field by field (versions, device, dtype, shapes, switches,
+Inductor options, weights hash, constant layout) and the file's SHA-256 before any load, and a new
+package is opened in a fresh process (:func:`check_loads`) before it is kept.
 """
 
 from __future__ import annotations

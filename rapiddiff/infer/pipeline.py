@@ -1,21 +1,10 @@
 """RapidDiffusionPipeline: prompt → knowledge text encoder → U-Net sampling → VAE → (ESRGAN ×4).
 
-One way an image is made, in stages (the stage functions live in :mod:`rapiddiff.models.sampling`,
-which the training sample grids and evaluation call too)::
-
-    encode_prompt → prepare_latents → denoise → decode → (upscale) → images
-
-txt2img, img2img (``init_image=``, ``strength=``) and inpainting (``init_image=``, ``mask_image=``)
-differ only in how the latents are prepared and masked. With knowledge off, a diffusers SD 1.x or
-Taiyi folder gives diffusers' own images (``StableDiffusionPipeline``, ``…Img2ImgPipeline``,
-``…InpaintPipeline``) — tests compare them. The fast path (:func:`rapiddiff.infer.accelerate.accelerate`,
-applied from outside) transforms this pipeline's modules and swaps its denoise stage (``pipe.denoiser``) for the
-graph-captured loop; everything else — prompts, seeds, sampler, knowledge, LoRA, upscaling,
-metadata — stays here, so a call means the same on both paths.
-
-Seeds: image ``k`` is drawn from its own CPU ``torch.Generator`` seeded with ``seeds[k]`` (its
-init image's VAE sample, then its noise), so an image depends only on its seed and settings, never
-on the batch it was made in, the device or the path.
+One way an image is made, in stages (the stage functions live in :mod:`rapiddiff.models.sampling`):
+encode_prompt → prepare_latents → denoise → decode → (upscale). txt2img, img2img and inpainting
+differ only in how the latents are prepared and masked; with knowledge off a diffusers SD 1.x folder
+gives diffusers' own images. Image ``k`` draws from its own CPU generator seeded ``seeds[k]``, so an
+image depends only on its seed and settings, never on its batch, device or path.
 """
 
 from __future__ import annotations
