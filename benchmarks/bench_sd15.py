@@ -2,7 +2,7 @@
 
 Same as ``rapiddiff bench``; with ``OUT`` set, results go to $OUT. On the H200 through the device tool:
 
-    python benchmarks/bench_sd15.py --batch 1 8 --variants eager recipe rapiddiff rapiddiff-fp8 \
+    python benchmarks/bench_sd15.py --batch 1 8 --variants eager recipe rapiddiff \
         --switches all --second-process --profile
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import fields
 from typing import Any
 
 HELP = "AOTInductor packages of the fast path beside a model folder: export, check"
@@ -47,15 +48,16 @@ def register(parser: argparse.ArgumentParser) -> None:
         cmd.add_argument(
             "--guidance",
             type=float,
-            default=7.5,
-            help="guidance scale; > 1 doubles the U-Net batch (classifier-free guidance), ≤ 1 does not",
+            default=None,
+            help="guidance scale (default: the model's); > 1 doubles the U-Net batch (classifier-free "
+            "guidance), ≤ 1 does not",
         )
         cmd.add_argument(
             "--switches",
             nargs="*",
             default=[],
             metavar="KEY=VALUE",
-            help="AccelerateConfig fields, e.g. fp8=true attention=flash channels_last=false",
+            help="AccelerateConfig fields, e.g. attention=flash channels_last=false",
         )
         cmd.add_argument("--dir", default=None, help="package folder (default: MODEL/accelerated)")
         cmd.add_argument("--device", default="auto")
@@ -63,10 +65,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_switches(items: list[str]) -> dict[str, Any]:
-    """["fp8=true", "attention=flash", "compile_unet=none"] → {"fp8": True, ...}; errors name the item."""
-    from dataclasses import fields
-
-    from rapiddiff.infer.accelerate import AccelerateConfig
+    """["fuse_qkv=false", "attention=flash", "compile_unet=none"] → {"fuse_qkv": False, ...}; errors name the item."""
+    from rapiddiff.infer.accelerate import AccelerateConfig  # deferred: torch loads only to run
 
     known = {f.name for f in fields(AccelerateConfig)} - {"aoti", "aoti_dir"}
     out: dict[str, Any] = {}
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         row = {"batch": batch, **{k: v for k, v in pipe.report.items() if k.startswith("aoti")}}
         print(json.dumps(row, ensure_ascii=False), flush=True)
         failed |= any(str(v).startswith("fallback") for k, v in row.items() if k != "batch")
-    # Packages make compiling free; what a new process then spends is its imports (BENCHMARKS.md).
+    # Packages make compiling free; what a new process then spends is its imports.
     advice = bytecode_advice(missing_bytecode())
     if advice:
         logging.getLogger(__name__).warning("%s", advice)

@@ -1,12 +1,9 @@
 """Which C++ compiler builds AOTInductor packages that load in this Python.
 
-A package's wrapper ``.so`` is C++ that Inductor compiles with ``$CXX`` (else ``g++``). On the H100
-image ``CXX`` is ``/opt/gcc/bin/g++``, and every package it built died with SIGSEGV on load (five
-machines, two sessions): cuda-gdb puts the crash in the model's constructor, compiling a
-``std::regex`` inside ``regex_traits::transform_primary``, in C++ runtime code that sits in the
-package's own ``.so`` (its packages are also 2 MiB larger). The same packages built with the system
-``g++`` load and run (BENCHMARKS, issue 16). Both compilers report the same ``libstdc++.so.6``, so
-comparing paths cannot tell them apart; this asks each compiler the question that matters:
+A package's wrapper ``.so`` is C++ that Inductor compiles with ``$CXX`` (else ``g++``). A compiler
+that links its own copy of the C++ runtime into the package makes packages that crash on load (a
+``std::regex`` built in the model's constructor), though it reports the same ``libstdc++.so.6`` as
+the system ``g++``; so this asks each compiler the question that matters:
 
 * it compiles a small shared library that builds that same ``std::regex``;
 * the library must not define the C++ runtime's own locale machinery (a second copy of it beside

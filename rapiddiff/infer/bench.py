@@ -1,28 +1,9 @@
-"""``rapiddiff bench``: stock diffusers, the strongest stock torch.compile recipe and rapiddiff's fast path,
-timed side by side in one process on the same weights, seed and prompt.
-
-Variants (each on a freshly built pipeline with identical weights):
-
-- ``eager``: stock ``StableDiffusionPipeline`` in fp16 with PyTorch SDPA (the parity reference);
-- ``recipe``: channels_last + fused QKV + ``torch.compile(unet, mode="reduce-overhead",
-  fullgraph=True)`` + compiled VAE decode, as huggingface/diffusion-fast does it;
-- ``rapiddiff``: :func:`rapiddiff.infer.accelerate.accelerate` with its defaults;
-- ``rapiddiff-fp8``: the same with fp8 linear layers (reported with its quality cost);
-- ``rapiddiff-tome``: the same, images made with token merging (``token_merge``, approximate; its
-  note gives the PSNR against the exact ``rapiddiff`` image when that ran first).
-- ``rapiddiff+KEY=VALUE[,KEY=VALUE...]``: the defaults with :class:`~rapiddiff.infer.accelerate.AccelerateConfig`
-  fields changed (a bare KEY means true), e.g. ``rapiddiff+cudnn_benchmark``, ``rapiddiff+autotune=convs``;
-  each its own row, compiled afresh (no compile-cache file). A variant that turns cudnn_benchmark on
-  runs in a thread of its own: cuDNN's plan cache is per thread and keeps whichever plan a
-  convolution got first, so an earlier variant's heuristic plans would stop it timing anything.
-
-Per variant and batch size: it/s (denoising steps per second of end-to-end time, as diffusers'
-progress bar counts them), images/s, end-to-end seconds (median of
-``torch.utils.benchmark.Timer.blocked_autorange``), peak GPU memory, warm-up (applying the
-transforms plus three warm-up images), and parity with ``eager``: relative error of the final
-latents and PSNR of the decoded image. Random weights of the SD 1.5 architecture unless a model
-folder is given: speed does not depend on weight values. Writes ``bench.json``, ``bench.md`` and
-one PNG with every variant's first image side by side.
+"""``rapiddiff bench``: stock diffusers (``eager``), the strongest stock torch.compile ``recipe``
+(diffusion-fast's) and rapiddiff's fast path (``rapiddiff``, ``rapiddiff-tome``,
+``rapiddiff+KEY=VALUE[,...]`` for other switches), timed side by side in one process on the same
+weights, seed and prompt: it/s, images/s, end-to-end seconds (``blocked_autorange`` median), peak
+memory, warm-up, and parity with ``eager`` (latent relative error, image PSNR). Writes
+``bench.json``, ``bench.md`` and the first images side by side.
 """
 
 from __future__ import annotations
@@ -39,21 +20,24 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
+from rapiddiff.models import presets
+from rapiddiff.models.token_merge import check_ratio
+from rapiddiff.utils.device import resolve_device
 from rapiddiff.utils.io import atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-fp8", "rapiddiff-tome")
+VARIANTS = ("eager", "recipe", "rapiddiff", "rapiddiff-tome")
 TUNED = "rapiddiff+"  # rapiddiff+KEY=VALUE[,KEY=VALUE]: the defaults with AccelerateConfig fields changed
 # Fields a tuned variant may not set: the bench owns the compile-cache file (the rapiddiff row's).
 NOT_TUNABLE = ("compile_cache",)
@@ -67,9 +51,12 @@ SWITCHES: dict[str, dict[str, Any]] = {
     "loop=resident": {"loop": "resident"},
     "loop=graph": {"loop": "graph"},
     "compile_unet": {"compile_unet": "default", "loop": "resident"},
-    "fp8": {"fp8": True, "loop": "resident"},
 }
 PROMPT = "a red tomato on a blue table, studio light"
+# The benchmark protocol (not a sampling default): 50 PNDM steps at guidance 7.5, as the SD 1.5
+# speed figures of diffusers and diffusion-fast are measured, so the rows compare with theirs.
+PROTOCOL_STEPS = 50
+PROTOCOL_GUIDANCE = 7.5
 
 
 @dataclass
@@ -78,8 +65,8 @@ class BenchConfig:
     """A diffusers / rapiddiff model folder; None builds random weights of ``preset``."""
     preset: str = "sd15"
     """Architecture for random weights (rapiddiff.models.presets): sd15, kshapes or tiny."""
-    steps: int = 50
-    guidance: float = 7.5
+    steps: int = PROTOCOL_STEPS
+    guidance: float = PROTOCOL_GUIDANCE
     batches: tuple[int, ...] = (1, 8)
     variants: tuple[str, ...] = ("eager", "recipe", "rapiddiff")
     switches: tuple[str, ...] = ()
@@ -120,8 +107,6 @@ class BenchConfig:
             raise ValueError(f"unknown switches {bad}; choose from all, {', '.join(SWITCHES)}")
         if self.steps < 1 or any(b < 1 for b in self.batches):
             raise ValueError("steps and batch sizes must be ≥ 1")
-        from rapiddiff.models.token_merge import check_ratio
-
         check_ratio(self.token_merge, "token_merge")
 
 
@@ -132,10 +117,6 @@ def parse_variant(name: str) -> dict[str, Any]:
     value's error names the valid ones. ValueError naming the variant otherwise."""
     if name in VARIANTS:
         return {}
-    from dataclasses import fields
-
-    from rapiddiff.infer.accelerate import AccelerateConfig
-
     kinds = {f.name: str(f.type) for f in fields(AccelerateConfig) if f.name not in NOT_TUNABLE}
     grammar = f"{TUNED}KEY=VALUE[,KEY=VALUE...] with KEY one of {', '.join(kinds)}"
     if not name.startswith(TUNED) or not name[len(TUNED) :]:
@@ -175,25 +156,6 @@ def _switch_value(variant: str, key: str, kind: str, text: str | None) -> Any:
     return text
 
 
-def run_in_fresh_thread(fn: Callable[[], Any]) -> Any:
-    """``fn()`` in a new thread (the caller waits): a fresh thread starts with empty thread-local
-    state — here cuDNN's plan cache. Returns its result or raises its exception."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as err:  # handed to the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name="bench-fresh-cudnn-cache")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 @dataclass
 class Row:
     variant: str
@@ -229,8 +191,6 @@ def build_pipeline(cfg: BenchConfig, device: torch.device) -> Any:
 def _random_pipeline(preset: str, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    from rapiddiff.models import presets
 
     unet_cfg = presets.unet_config(preset)
     with tempfile.TemporaryDirectory() as tmp:
@@ -301,12 +261,10 @@ def make_runner(
             return out, None
 
         return run, None
-    from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
-
     if variant == "switch":
         config = AccelerateConfig.off(dtype=cfg.dtype, **switches)
     else:
-        fields = {"dtype": cfg.dtype, "fp8": variant == "rapiddiff-fp8", "compile_cache": cache}
+        fields = {"dtype": cfg.dtype, "compile_cache": cache}
         config = AccelerateConfig(**{**fields, **parse_variant(variant), **switches})
         if not cfg.compile:
             config.compile_unet = config.compile_vae = None
@@ -478,8 +436,6 @@ def _child(spec: str) -> None:
     torch.cuda.init()
     pipe = build_pipeline(cfg, device)
     built = time.time()
-    from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
-
     fast = accelerate(pipe, AccelerateConfig(dtype=cfg.dtype, compile_cache=cache))
     _, first, full_speed, e2e = first_then_steady(fast, steps=cfg.steps, guidance=cfg.guidance, seed=cfg.seed)
     from torch._dynamo.utils import counters
@@ -499,8 +455,6 @@ def _child(spec: str) -> None:
 
 # ---- the whole run -----------------------------------------------------------------------------------
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    from rapiddiff.utils.device import resolve_device
-
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -548,17 +502,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         else:
             variant, batch, switches = args
             log.info("bench: %s at batch %d %s", variant, batch, switches or "")
-            tuned = parse_variant(variant) if variant != "switch" else {}
-            own_thread = tuned.get("cudnn_benchmark") is True  # on a CPU too: one code path
-
-            def one(variant: str = variant, batch: int = batch, switches: dict = switches) -> tuple[Row, Any]:
-                cached = cache if variant == "rapiddiff" else None
-                return bench_one(variant, batch, cfg, device, reference, cached, **switches)
-
+            cached = cache if variant == "rapiddiff" else None
             try:
-                row, first = run_in_fresh_thread(one) if own_thread else one()
-                if own_thread:
-                    row.note = "own thread (empty cuDNN plan cache); " + row.note
+                row, first = bench_one(variant, batch, cfg, device, reference, cached, **switches)
             except Exception as err:  # one broken variant must not lose the others' numbers
                 log.exception("bench: %s at batch %d failed", variant, batch)
                 row = Row(variant, batch, cfg.steps, note=f"FAILED: {type(err).__name__}: {err}"[:300])
@@ -591,7 +537,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 @contextlib.contextmanager
 def stacks_if_stuck(seconds: float) -> Iterator[None]:
     """Print every thread's stack to stderr if the block is still running after ``seconds`` (0: off).
-    One H100 call lost 390 s to a variant whose warm-up never ended and left no trace of where."""
+    A variant whose warm-up never ends otherwise leaves no trace of where it hangs."""
     stream = sys.__stderr__
     armed = seconds > 0 and stream is not None
     if armed:
@@ -605,8 +551,8 @@ def stacks_if_stuck(seconds: float) -> Iterator[None]:
 
 def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     """Most important first, so a time budget cuts the least useful: the first batch size with every
-    variant, the second process, the other batch sizes, fp8, switch parity, the profile."""
-    main = [v for v in cfg.variants if v != "rapiddiff-fp8"]
+    variant, the second process, the other batch sizes, switch parity, the profile."""
+    main = list(cfg.variants)
     if "eager" not in main:
         main.insert(0, "eager")  # the parity reference
     first, *others = cfg.batches
@@ -614,8 +560,6 @@ def plan_tasks(cfg: BenchConfig) -> list[tuple[str, Any]]:
     if cfg.second_process:
         tasks.append(("second_process", None))
     tasks += [("run", (v, b, {})) for b in others for v in main]
-    if "rapiddiff-fp8" in cfg.variants:
-        tasks.append(("run", ("rapiddiff-fp8", first, {})))
     tasks += [("run", ("switch", first, SWITCHES[name])) for name in cfg.switches]
     if cfg.profile:
         tasks.append(("profile", None))
@@ -629,8 +573,6 @@ def profile_fast(cfg: BenchConfig, device: torch.device, out: Path, deadline: fl
     after each variant, and no variant starts after ``deadline`` (``time.perf_counter()``), so a run
     cut short keeps the profiles it finished."""
     from torch.profiler import ProfilerActivity, profile
-
-    from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
 
     texts, summaries = [], []
     table_csv = io.StringIO()
@@ -698,8 +640,6 @@ def _family(name: str) -> str:
         return "attention"
     if "fprop" in low or ("conv" in low and "triton" not in low):
         return "convolution"
-    if low.startswith("rapiddiff_"):  # fast_norm's and fast_geglu's own kernels
-        return "rapiddiff Triton kernels"
     if any(k in low for k in ("nvjet", "gemm", "cublas", "gemv", "scaled_mm")):
         return "matmul (linear)"
     if "triton" in low:
@@ -767,10 +707,7 @@ def _save_grid(firsts: list[tuple[str, Any]], path: Path) -> None:
     atomic_write_text(path.with_suffix(".txt"), "left to right: " + ", ".join(n for n, _ in firsts) + "\n")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        _child(sys.argv[2])
-    else:
-        from rapiddiff.infer.bench_cli import main
-
-        sys.exit(main())
+if __name__ == "__main__":  # the second process (second_process starts it); `rapiddiff bench` is the CLI
+    if len(sys.argv) != 3 or sys.argv[1] != "--child":
+        sys.exit("usage: python -m rapiddiff.infer.bench --child SPEC (run `rapiddiff bench` instead)")
+    _child(sys.argv[2])

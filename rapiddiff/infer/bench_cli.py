@@ -21,15 +21,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", default="sd15", help="architecture for random weights: sd15, kshapes, tiny"
     )
-    parser.add_argument("--steps", type=int, default=50, help="denoising steps (PNDM)")
-    parser.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale")
+    parser.add_argument("--steps", type=int, help="denoising steps (PNDM; default: the bench protocol's)")
+    parser.add_argument("--guidance", type=float, help="guidance scale (default: the bench protocol's)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes to time")
     parser.add_argument(
         "--variants",
         nargs="+",
         default=["eager", "recipe", "rapiddiff"],
-        help="eager, recipe, rapiddiff, rapiddiff-fp8, rapiddiff-tome, or rapiddiff+KEY=VALUE[,KEY=VALUE] (the "
-        "defaults with accelerate switches changed, e.g. rapiddiff+cudnn_benchmark, rapiddiff+autotune=convs); "
+        help="eager, recipe, rapiddiff, rapiddiff-tome, or rapiddiff+KEY=VALUE[,KEY=VALUE] (the "
+        "defaults with accelerate switches changed, e.g. rapiddiff+attention=flash,compile_regions); "
         "eager always runs: it is the parity reference",
     )
     parser.add_argument(
@@ -81,13 +81,13 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapiddiff.infer.bench import BenchConfig, run_bench
+    from rapiddiff.infer.bench import BenchConfig, run_bench  # deferred: torch loads only to run
 
+    protocol = {"steps": args.steps, "guidance": args.guidance}  # None: the bench's protocol values
     cfg = BenchConfig(
         model=args.model,
         preset=args.preset,
-        steps=args.steps,
-        guidance=args.guidance,
+        **{k: v for k, v in protocol.items() if v is not None},
         batches=tuple(args.batch),
         variants=tuple(args.variants),
         switches=tuple(args.switches),

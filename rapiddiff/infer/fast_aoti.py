@@ -1,32 +1,11 @@
 """AOTInductor packages of the fast path's U-Net and VAE decoder: compiled once, loaded in a new process.
 
-``torch.compile`` with the compile cache still re-traces the model with Dynamo in every new process
-(tens of seconds for SD 1.5). A package made with ``torch.export`` + ``aoti_compile_and_package``
-holds the compiled kernels and the C++ wrapper; loading it is ``dlopen`` plus reading the kernels.
-
-One package per part ("unet", "decoder"), shape and device, in ``<model folder>/accelerated/``::
-
-    unet-x2x4x64x64-c2x77x768-nvidia-h100-80gb-hbm3.pt2    the AOTInductor package (no weights)
-    unet-x2x4x64x64-c2x77x768-nvidia-h100-80gb-hbm3.json   its manifest: the key it was built for
-
-**No weights in the package.** It is built with ``package_constants_in_so=False`` and, on load, pointed at
-the live module's own parameters (``load_constants(..., user_managed=True)``): a merged LoRA or any
-other in-memory weight change runs as it is, and the package costs no second copy of the weights.
-What the compiled code *does* depend on is checked before every load, field by field against the
-manifest (:func:`check_package`): format, part, torch and CUDA versions, device name and capability
-(CPU: its ISA level), the libstdc++ it runs against, dtype, input shapes, the fast path's switches
-(channels_last, fused QKV, attention backend, cross-attention K/V, fp8, cudnn_benchmark, fp16_accumulate,
-autotune), the Inductor options (autotune's patch included), a hash of the weights files
-(policy: a new model is a new build), and the name, shape, stride and dtype of every constant the
-package reads (the layout its kernels were generated for). Then the file's size and SHA-256 against
-the manifest (a truncated or corrupt file). Any difference → the reason, logged; the caller rebuilds
-(``aoti="build"``) or falls back to ``torch.compile`` (``aoti="load"``). A package is never loaded
-against a key it was not built for.
-
-**Built to load.** The C++ compiler is one whose code runs in this Python
-(:mod:`rapiddiff.infer.aoti_toolchain`), and a new package is opened in a fresh process
-(:func:`check_loads`) before it is kept: on the H100 image, packages built with its ``$CXX`` crashed
-the process that loaded them.
+A package (``torch.export`` + ``aoti_compile_and_package``, no weights inside: on load it reads the
+live module's parameters) spares a new process Dynamo's tracing. One package per part, shape and
+device in ``<model folder>/accelerated/``, beside a manifest holding the key it was built for;
+:func:`check_package` compares that key field by field (versions, device, dtype, shapes, switches,
+Inductor options, weights hash, constant layout) and the file's SHA-256 before any load, and a new
+package is opened in a fresh process (:func:`check_loads`) before it is kept.
 """
 
 from __future__ import annotations
@@ -50,6 +29,8 @@ from typing import Any
 import torch
 
 from rapiddiff.infer import aoti_toolchain
+from rapiddiff.infer.fast_report import SwitchStatus, fallback
+from rapiddiff.models import sampling
 from rapiddiff.utils.io import atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
@@ -131,12 +112,8 @@ def package_key(
     shapes: dict[str, Any],
     switches: dict[str, Any],
     weights: str,
-    inductor: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything a package is valid for (compared field by field by :func:`check_package`).
-
-    ``inductor``: Inductor options beyond :data:`INDUCTOR_CONFIGS` the package is built with
-    (the fast path's autotune patch); they are part of the key and of the build."""
+    """Everything a package is valid for (compared field by field by :func:`check_package`)."""
     return {
         "format": FORMAT,
         "part": part,
@@ -145,7 +122,7 @@ def package_key(
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes,
         "switches": switches,
-        "inductor": {**inductor_configs(), **(inductor or {})},
+        "inductor": inductor_configs(),
         "weights": weights,
     }
 
@@ -326,10 +303,8 @@ def build_package(
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(tmp), inductor_configs=dict(key.get("inductor", inductor_configs()))
             )
-        # Opened first in a new process: a package whose native code crashes on load (SIGSEGV in
-        # its wrapper's C++ runtime on the H100 image, BENCHMARKS issue 16) fails the build with the
-        # reason, instead of killing this process or, later, a server. The names come from the
-        # exported program; load_package checks the package's own against them.
+        # Opened first in a new process: a package whose native code crashes on load fails the
+        # build with the reason, instead of killing this process or, later, a server.
         check_loads(tmp, cxx_reason)
         names = exported_constants(program)
         live = live_constants(module)
@@ -410,7 +385,7 @@ def open_package(path: Path) -> Any:
 
     That probe (``pick_vec_isa``) compiles small C++ programs to find the CPU's vector ISA on every
     load in a process whose Inductor cache is empty — even for a CUDA package — and only logs a
-    mismatch (measured: 23 s of a 25 s load on the 2-core box). The key check has already compared
+    mismatch (most of a load's time on a small machine). The key check has already compared
     the device fields, so the package is opened with the same loader torch's function constructs.
     """
     try:
@@ -468,8 +443,6 @@ class DecodeCall(torch.nn.Module):
         self.vae = vae
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        from rapiddiff.models import sampling
-
         return sampling.decode(self.vae, latents)
 
 
@@ -501,7 +474,7 @@ class PackageStore:
         device: torch.device,
         dtype: torch.dtype,
         extra: dict[str, Any] | None = None,
-    ) -> tuple[Callable[..., Any] | None, str, dict[str, Any] | None]:
+    ) -> tuple[Callable[..., Any] | None, SwitchStatus, dict[str, Any] | None]:
         """(callable or None, report status, manifest or None) for ``part`` on example ``args``.
 
         ``fields``: {"shapes": ..., "switches": ...}; ``extra``: more manifest fields for a build. A matching, intact package is loaded; else
@@ -521,19 +494,17 @@ class PackageStore:
             except PackageError as err:
                 reason = str(err)
             else:
-                return compiled, f"loaded {path.name} ({time.perf_counter() - started:.2f} s)", manifest
+                took = time.perf_counter() - started
+                return compiled, SwitchStatus("on", f"loaded {path.name}", f"{took:.2f} s"), manifest
         if self.mode == "load":
-            return (
-                None,
-                f"fallback: torch.compile ({reason}; build it with `rapiddiff accelerate export`)",
-                None,
-            )
+            why = f"{reason}; build it with `rapiddiff accelerate export`"
+            return None, fallback(why, "torch.compile"), None
         log.warning("aoti: building %s: %s", path.name, reason)
         started = time.perf_counter()
         manifest = build_package(path, module, args, key, files, extra)
         compiled = load_package(path, module, manifest)
         took = time.perf_counter() - started
-        return compiled, f"built {path.name} in {took:.0f} s ({reason})", manifest
+        return compiled, SwitchStatus("on", f"built {path.name} in {took:.0f} s", reason), manifest
 
 
 __all__ = [

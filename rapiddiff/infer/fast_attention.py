@@ -245,13 +245,11 @@ def choose_backends(
 
 def _median_ms(fn: Any, repeats: int = 20) -> float:
     """The GPU time of one ``fn()``: Triton's ``do_bench_cudagraph`` (the median over replays of a CUDA
-    graph of the calls), which times the kernels alone, as the captured denoising loop runs them.
-    Timing each call between events also timed the host: on an H100 (2026-11-28), while an earlier
-    variant's compile workers were busy, that put cuDNN's 4,096-token attention at 385 µs instead of
-    161 µs. It picked flash (277 µs) for 5 calls per evaluation, 8 % of the image. Per-call events
-    remain the fallback without Triton or for a backend that cannot be captured."""
+    graph of the calls) times the kernels alone, as the captured loop runs them; events around each
+    call would time a busy host too and pick the wrong backend. Per-call events remain the fallback
+    without Triton or for a backend that cannot be captured."""
     try:
-        from triton.testing import do_bench_cudagraph
+        from triton.testing import do_bench_cudagraph  # optional: not every install has Triton
 
         # rep: a graph of about 2 ms of calls, replayed 10 times: some 25 ms per backend and shape
         return float(do_bench_cudagraph(fn, rep=2, return_mode="median"))
@@ -268,3 +266,25 @@ def _median_ms(fn: Any, repeats: int = 20) -> float:
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
     return times[len(times) // 2]
+
+
+class BackendTable:
+    """The per-shape SDPA backends of one U-Net, timed at first use of each shape (``auto`` on
+    CUDA) and shared with its processors; the report's "attention" line lists the picks."""
+
+    def __init__(self, unet: torch.nn.Module, auto: bool, on_pick: Any) -> None:
+        self.unet, self.auto, self.on_pick = unet, auto, on_pick
+        self.table: dict[ShapeKey, str] = {}
+
+    def ensure(self, batch: int, height: int, width: int, context_len: int) -> None:
+        """Time the backends of the U-Net's attention shapes at this latent size not yet in the table."""
+        self.ensure_shapes(attention_shapes(self.unet, height, width, context_len), batch)
+
+    def ensure_shapes(self, shapes: Iterable[tuple[int, int, int, int]], batch: int) -> None:
+        if not self.auto:
+            return
+        missing = {s for s in shapes if (s[0], s[1], s[3]) not in self.table}
+        if missing:
+            device = next(self.unet.parameters()).device
+            self.table.update(choose_backends(missing, batch, self.unet.dtype, device))
+            self.on_pick(sorted({f"{q}×{k}/{d}: {b}" for (q, k, d), b in self.table.items()}))

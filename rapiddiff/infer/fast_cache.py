@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rapiddiff.infer.fast_report import FastPathReport, SwitchStatus
 from rapiddiff.utils.io import atomic_write_bytes, atomic_write_text
 from rapiddiff.utils.logging import get_logger
 
@@ -75,3 +76,32 @@ def load_backend_table(path: str | Path) -> dict[tuple[int, int, int], str]:
         return {(int(r["query"]), int(r["key"]), int(r["head_dim"])): str(r["backend"]) for r in rows}
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{file}: not an attention backend table ({err}); delete it to re-measure") from err
+
+
+def compile_cache_file(path: str, report: FastPathReport) -> str:
+    """The compile-cache file for the switches as applied: ``path`` itself when they are as by
+    default, else the difference in its name (``cache.no-batch-time-proj.bin``), so a process never
+    takes a cache written for another graph for its own (it would load, miss, never be rewritten)."""
+    if report.is_on("batch_time_proj"):
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.no-batch-time-proj{p.suffix}"))
+
+
+class CompileCache:
+    """The compile-cache file of one fast path: loaded before the first compile, written after the
+    first compiled run when it was missing; its status is the report's "compile_cache" line."""
+
+    def __init__(self, path: str, report: FastPathReport, backends: dict[tuple[int, int, int], str]) -> None:
+        self.path, self.report, self.backends = compile_cache_file(path, report), report, backends
+        self.missing = not Path(self.path).is_file()
+        report.set("compile_cache", SwitchStatus("on", load_compile_cache(self.path)))
+        # The attention backends are part of the traced graph: reuse the ones the cache was compiled
+        # with, or a re-timed (noisy) choice would change the graph and miss the cache.
+        backends.update(load_backend_table(self.path))
+
+    def save_if_missing(self) -> None:
+        if self.missing:
+            self.missing = False
+            self.report.set("compile_cache", SwitchStatus("on", save_compile_cache(self.path)))
+            save_backend_table(self.path, self.backends)

@@ -1,19 +1,10 @@
 """A scheduler's whole sampling run as a table of coefficients, for a loop that never leaves the GPU.
 
-PNDM (PLMS), DDIM (eta 0, no clipping) and DPM-Solver++ (multistep, no thresholding) with
-epsilon or v prediction all update the latents *linearly*: every latent ``x_i`` the U-Net sees is
-a fixed combination of the first noise ``x_T`` and the model outputs ``out_0 .. out_{i-1}``,
-with weights that depend only on the timesteps. Instead of re-deriving each scheduler's formulas
-(and drifting from them), :func:`linear_plan` runs the scheduler's own ``step`` once on
-*coefficient vectors*: the noise is the basis vector ``e_0`` and output ``i`` is ``e_{i+1}``, so
-whatever arithmetic ``step`` does, the vector that comes out is row ``i`` of the table. A second
-run on random tensors checks that the table reproduces ``step`` exactly; a scheduler that is not
-linear (clipping, thresholding, injected noise) fails that check and the caller falls back to the
-eager loop with the reason.
-
-The GPU loop then needs no scheduler state at all: ``x_i = coefs[i, :i+1] @ basis[:i+1]`` where
-``basis`` is a static buffer holding ``x_T`` and each step's guided output (PNDM's ``ets``
-history, kept whole), and the U-Net input is ``input_scale[i] * x_i``.
+PNDM, DDIM (eta 0) and DPM-Solver++ update the latents linearly: each latent the U-Net sees is a fixed
+combination of the first noise and the past model outputs. :func:`linear_plan` runs the scheduler's
+own ``step`` once on basis vectors to read that table off (no re-derived formulas), then checks it
+against ``step`` on random tensors; a scheduler that is not linear fails the check, with the reason.
+Clipping DDIM has its own per-step formula (:func:`clipped_ddim_plan`).
 """
 
 from __future__ import annotations

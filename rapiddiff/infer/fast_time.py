@@ -1,16 +1,11 @@
 """The ResNet blocks' time-embedding projections as one matrix product: the ``batch_time_proj`` switch.
 
 Every ``ResnetBlock2D`` of a Stable Diffusion U-Net projects the same time embedding with its own
-``time_emb_proj`` (``linear(silu(emb))``): 22 matrix-vector products per SD 1.5 evaluation, each
-too small to fill the GPU — 154.5 µs one by one against 23.8 µs as one product on an H100
-(BENCHMARKS.md, issue 16, 2026-11-28). Here the U-Net's ``time_embedding`` computes ``emb`` as
-before and then ``linear(silu(emb), W, b)`` with every block's weights stacked, once; each block's
-``time_emb_proj`` becomes a slice of that result and the block skips its own SiLU
-(``skip_time_act``, diffusers' own flag). Same arithmetic, one launch.
-
-Inductor's ``batch_linear_lhs`` pre-grad pass would merge linears sharing an input, but it did not
-fire on these (a CPU check, 2026-11-28), so the merge is done on the modules, where the compiled
-graph, the eager path and AOTInductor all see it.
+``time_emb_proj`` (``linear(silu(emb))``): 22 matrix-vector products per SD 1.5 evaluation, each too
+small to fill the GPU. Here the U-Net's ``time_embedding`` computes ``emb`` as before, then one
+``linear(silu(emb), W, b)`` over every block's stacked weights; each block's ``time_emb_proj`` takes
+its slice and skips its own SiLU (``skip_time_act``). Same arithmetic, one launch; done on the
+modules (Inductor's ``batch_linear_lhs`` pass does not merge these), so every path sees it.
 
 Only U-Nets whose time embedding feeds nothing but plain ResNet blocks are changed (SD 1.x/2.x and
 the kshapes U-Net): no class or added embeddings, no activation after the embedding, plain

@@ -18,6 +18,7 @@ from rapiddiff.utils.io import atomic_open, read_text_lines
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
+_LIBRARY = SamplingDefaults()  # the fallback when a model folder names no sampling defaults
 
 EPILOG = """examples:
   rapiddiff generate "蓝色背景上有一个番茄"
@@ -81,11 +82,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", metavar="DIR", help="model folder (default: the built-in model)")
     parser.add_argument("--negative", metavar="TEXT", help="negative prompt (what to steer away from)")
-    parser.add_argument("--steps", type=int, help="denoising steps (default: the model's, else 50)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"denoising steps (default: the model's, else {_LIBRARY.num_inference_steps})",
+    )
     parser.add_argument(
         "--guidance",
         type=float,
-        help="classifier-free guidance scale; ≤ 1 turns it off (default: the model's, else 7.5)",
+        help="classifier-free guidance scale; ≤ 1 turns it off "
+        f"(default: the model's, else {_LIBRARY.guidance_scale:g})",
     )
     parser.add_argument(
         "--seed", type=int, help="seed of the first image; image k gets seed+k (default: random)"
@@ -95,7 +101,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size", type=parse_size, metavar="HxW|N", help="image size before upscaling (default: the model's)"
     )
-    parser.add_argument("--scheduler", help="sampler: pndm (default), ddim or dpm++")
+    parser.add_argument(
+        "--scheduler", help=f"sampler: pndm, ddim or dpm++ (default: the model's, else {_LIBRARY.scheduler})"
+    )
     parser.add_argument(
         "--upscale",
         action=argparse.BooleanOptionalAction,
@@ -145,7 +153,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="opt-in, approximate: run the whole U-Net every N steps and reuse its deep features in "
-        "between (DeepCache); faster, at a measured quality cost (BENCHMARKS.md). Default: exact",
+        "between (DeepCache); faster, at a measured quality cost (see the benchmarks page). Default: exact",
     )
     parser.add_argument(
         "--token-merge",
@@ -153,7 +161,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="opt-in, approximate: merge the fraction R (0–0.75; ToMe's default 0.5) of the tokens in the "
         "highest-resolution self-attention (ToMe); the images differ from the exact ones at a measured "
-        "quality cost and the speed-up is small on the fast path (BENCHMARKS.md). Default: 0 (exact)",
+        "quality cost and the speed-up is small on the fast path (see the benchmarks page). Default: 0 (exact)",
     )
     parser.add_argument(
         "--no-knowledge", action="store_true", help="switch the knowledge fusion off (the base text encoder)"
@@ -195,7 +203,7 @@ def check_writable(folder: Path) -> None:
         ) from err
 
 
-DEFAULT_SAMPLING: dict[str, Any] = SamplingDefaults().to_dict()
+DEFAULT_SAMPLING: dict[str, Any] = _LIBRARY.to_dict()
 """The library's sampling defaults (:class:`rapiddiff.models.sampling.SamplingDefaults`), as kwargs."""
 
 
@@ -232,23 +240,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     """Prompts, pipeline kwargs, and the model folder from the PNG (if --from-png)."""
     from rapiddiff.infer.pipeline import canonical_scheduler_name
 
-    kwargs: dict[str, Any] = {}
-    prompts: list[str] = []
-    png_model = None
-    if args.from_png:
-        from rapiddiff.infer.png import generation_kwargs, read_png_metadata
-
-        meta = read_png_metadata(args.from_png)
-        if not meta:
-            raise ValueError(f"--from-png: {args.from_png} holds no generation settings")
-        from_png = generation_kwargs(meta, where=args.from_png)
-        prompts = [from_png.pop("prompt")]
-        kwargs.update(from_png)
-        png_model = meta.get("model_path")
-        if args.upscaler is None and meta.get("upscaler"):
-            args.upscaler = meta["upscaler"]
-        if not args.lora and meta.get("lora"):
-            args.lora = [f"{item['path']}:{item['scale']}" for item in meta["lora"]]
+    prompts, kwargs, png_model = _from_png(args) if args.from_png else ([], {}, None)
     given = _read_prompts(args)
     if given:
         prompts = given
@@ -265,6 +257,36 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.size:
         kwargs["height"], kwargs["width"] = args.size
+    _image_inputs(args, kwargs)
+    _knowledge_and_approximations(args, kwargs)
+    if "scheduler" in kwargs:  # bad names fail before loading
+        kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
+    if kwargs.get("num_inference_steps", 1) < 1:
+        raise ValueError(f"--steps must be ≥ 1, got {kwargs['num_inference_steps']}")
+    if args.num_images < 1 or args.batch_size < 1:
+        raise ValueError("--num-images and --batch-size must be ≥ 1")
+    return prompts, kwargs, png_model
+
+
+def _from_png(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str | None]:
+    """The prompt, kwargs and model folder a PNG's settings give; fills --upscaler and --lora
+    from it where the command line gives none."""
+    from rapiddiff.infer.png import generation_kwargs, read_png_metadata
+
+    meta = read_png_metadata(args.from_png)
+    if not meta:
+        raise ValueError(f"--from-png: {args.from_png} holds no generation settings")
+    kwargs = generation_kwargs(meta, where=args.from_png)
+    prompts = [kwargs.pop("prompt")]
+    if args.upscaler is None and meta.get("upscaler"):
+        args.upscaler = meta["upscaler"]
+    if not args.lora and meta.get("lora"):
+        args.lora = [f"{item['path']}:{item['scale']}" for item in meta["lora"]]
+    return prompts, kwargs, meta.get("model_path")
+
+
+def _image_inputs(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """--init-image, --mask and --strength into ``kwargs``, checked against each other."""
     if args.init_image:
         kwargs["init_image"] = args.init_image
         kwargs.pop("mask_image", None)  # a new init image: the PNG's mask belongs to the old one
@@ -276,6 +298,10 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         raise ValueError("--mask needs --init-image (the image whose masked part is repainted)")
     if "strength" in kwargs and "init_image" not in kwargs:
         raise ValueError("--strength needs --init-image (img2img or inpainting)")
+
+
+def _knowledge_and_approximations(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """--knowledge / --no-knowledge, --deep-cache and --token-merge into ``kwargs``, checked."""
     if args.knowledge:
         kwargs["knowledge"] = args.knowledge
     if args.no_knowledge:
@@ -288,13 +314,6 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         from rapiddiff.models.token_merge import check_ratio
 
         kwargs["token_merge"] = check_ratio(args.token_merge, "--token-merge")
-    if "scheduler" in kwargs:  # bad names fail before loading
-        kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
-    if kwargs.get("num_inference_steps", 1) < 1:
-        raise ValueError(f"--steps must be ≥ 1, got {kwargs['num_inference_steps']}")
-    if args.num_images < 1 or args.batch_size < 1:
-        raise ValueError("--num-images and --batch-size must be ≥ 1")
-    return prompts, kwargs, png_model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -335,7 +354,9 @@ def run(args: argparse.Namespace) -> int:
     for path, scale in loras:  # before the fast path: LoRAs merge into the weights it transforms
         pipe.load_lora(path, scale=scale)
     if args.fast:
-        pipe.enable_fast(**({"aoti": args.aoti} if args.aoti else {}))
+        from rapiddiff.infer.accelerate import accelerate
+
+        accelerate(pipe, **({"aoti": args.aoti} if args.aoti else {}))
     if kwargs.get("upscale") is None:
         kwargs["upscale"] = pipe.upscaler is not None
     paths, images = _generate(pipe, prompts, kwargs, args, out)

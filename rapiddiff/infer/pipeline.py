@@ -1,21 +1,10 @@
 """RapidDiffusionPipeline: prompt → knowledge text encoder → U-Net sampling → VAE → (ESRGAN ×4).
 
-One way an image is made, in stages (the stage functions live in :mod:`rapiddiff.models.sampling`,
-which the training sample grids and evaluation call too)::
-
-    encode_prompt → prepare_latents → denoise → decode → (upscale) → images
-
-txt2img, img2img (``init_image=``, ``strength=``) and inpainting (``init_image=``, ``mask_image=``)
-differ only in how the latents are prepared and masked. With knowledge off, a diffusers SD 1.x or
-Taiyi folder gives diffusers' own images (``StableDiffusionPipeline``, ``…Img2ImgPipeline``,
-``…InpaintPipeline``) — tests compare them. The fast path (:func:`rapiddiff.infer.accelerate.accelerate`)
-transforms this pipeline's modules and swaps its denoise stage (``pipe.denoiser``) for the
-graph-captured loop; everything else — prompts, seeds, sampler, knowledge, LoRA, upscaling,
-metadata — stays here, so a call means the same on both paths.
-
-Seeds: image ``k`` is drawn from its own CPU ``torch.Generator`` seeded with ``seeds[k]`` (its
-init image's VAE sample, then its noise), so an image depends only on its seed and settings, never
-on the batch it was made in, the device or the path.
+One way an image is made, in stages (the stage functions live in :mod:`rapiddiff.models.sampling`):
+encode_prompt → prepare_latents → denoise → decode → (upscale). txt2img, img2img and inpainting
+differ only in how the latents are prepared and masked; with knowledge off a diffusers SD 1.x folder
+gives diffusers' own images. Image ``k`` draws from its own CPU generator seeded ``seeds[k]``, so an
+image depends only on its seed and settings, never on its batch, device or path.
 """
 
 from __future__ import annotations
@@ -28,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapiddiff.infer.job import DenoiseJob
 from rapiddiff.models.sampling import (  # re-exported: the names users of this module know
     SCHEDULERS,
     SamplingDefaults,
@@ -45,7 +35,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from rapiddiff.models.bundle import ModelBundle
-    from rapiddiff.models.sampling import Inpaint, ModelFn
+    from rapiddiff.models.sampling import Inpaint
 
 log = get_logger(__name__)
 
@@ -63,94 +53,6 @@ class GenerationOutput:
     """The final latents [N, C, h, w] (float32), before decoding."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Host wall time of each stage (encode, denoise_decode, upscale, total)."""
-
-
-@dataclass
-class DenoiseJob:
-    """What the denoise stage gets: the start latents and everything the loop needs."""
-
-    latents: torch.Tensor  # (N, C, h, w) the start: noise × init_noise_sigma, or the noised image
-    noise: torch.Tensor  # (N, C, h, w) the unscaled noise (one CPU draw per seed)
-    pure_noise: bool  # latents == noise × init_noise_sigma (txt2img, or inpainting at strength 1)
-    cond: torch.Tensor  # (N, L, D)
-    uncond: torch.Tensor | None  # (N, L, D); None: no guidance
-    scheduler: Any  # set_timesteps (and set_begin_index) done
-    steps: int  # num_inference_steps the schedule was made for
-    timesteps: torch.Tensor  # the part of scheduler.timesteps this run walks
-    start: int  # index of timesteps[0] in scheduler.timesteps (img2img strength)
-    guidance_scale: float
-    step_kwargs: dict[str, Any]  # eta / generators for stochastic schedulers
-    inpaint: Inpaint | None = None
-    progress: bool = False
-    deep_cache: int = 1  # DeepCache interval: the whole U-Net every N evaluations (1 = exact)
-    guidance_rescale: float = 0.0  # CFG rescale φ (sampling.rescale_guidance); 0 = plain guidance
-    token_merge: float = 0.0  # ToMe ratio in the highest-resolution self-attention (0 = exact)
-
-    def run(
-        self,
-        model: ModelFn,
-        vae: Any,
-        *,
-        decode: bool,
-        dtype: torch.dtype | None = None,
-        unet: torch.nn.Module | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The one eager loop (:func:`rapiddiff.models.sampling.denoise`) on this job with ``model``
-        (the text rows cast to ``dtype`` if given), then the VAE decode if ``decode``. ``unet``:
-        the U-Net ``model`` calls, which ``deep_cache`` > 1 and ``token_merge`` > 0 need."""
-        import contextlib
-
-        from rapiddiff.models import sampling
-
-        cond, uncond = self.cond, self.uncond
-        if dtype is not None:
-            cond, uncond = cond.to(dtype), uncond.to(dtype) if uncond is not None else None
-        if (self.deep_cache > 1 or self.token_merge > 0) and unet is None:
-            raise ValueError(
-                "deep_cache > 1 and token_merge > 0 need the U-Net the model calls (DenoiseJob.run(unet=...))"
-            )
-        with contextlib.ExitStack() as stack:
-            hooks: list[Any] = []  # each approximation's step(i), called before evaluation i
-            if self.deep_cache > 1:
-                from rapiddiff.models.deep_cache import DeepCache
-
-                hooks.append(stack.enter_context(DeepCache.of(unet).active(self.deep_cache)))
-            if self.token_merge > 0:
-                from rapiddiff.models.token_merge import TokenMerge
-
-                size = tuple(self.latents.shape[-2:])
-                hooks.append(
-                    stack.enter_context(
-                        TokenMerge.of(unet).active(self.token_merge, size, self.latents.device)
-                    )
-                )
-            latents = sampling.denoise(
-                model,
-                self.latents,
-                cond,
-                uncond,
-                self.scheduler,
-                self.timesteps,
-                self.guidance_scale,
-                extra_step_kwargs=self.step_kwargs,
-                inpaint=self.inpaint,
-                progress=self.progress,
-                on_step=_chained(hooks),
-                guidance_rescale=self.guidance_rescale,
-            )
-        return latents, sampling.decode(vae, latents) if decode else None
-
-
-def _chained(hooks: list[Any]) -> Any:
-    """One ``on_step(i)`` that calls each hook in order (None when there are none)."""
-    if not hooks:
-        return None
-
-    def on_step(index: int) -> None:
-        for hook in hooks:
-            hook(index)
-
-    return on_step
 
 
 @dataclass
@@ -222,7 +124,7 @@ class RapidDiffusionPipeline:
                 type(pipe.scheduler).__name__,
                 ", ".join(SCHEDULERS),
             )
-        sampling = SamplingDefaults(scheduler=kind or "pndm")
+        sampling = SamplingDefaults(scheduler=kind or SamplingDefaults().scheduler)
         return cls(
             pipe.unet, pipe.vae, pipe.scheduler, encoder, model_name=Path(str(name)).name, sampling=sampling
         )
@@ -493,29 +395,10 @@ class RapidDiffusionPipeline:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise ValueError("no prompt given")
-        defaults = self.sampling
-        steps = defaults.num_inference_steps if num_inference_steps is None else int(num_inference_steps)
-        guidance = defaults.guidance_scale if guidance_scale is None else float(guidance_scale)
-        rescale = defaults.guidance_rescale if guidance_rescale is None else float(guidance_rescale)
-        if not math.isfinite(guidance):  # NaN would sample silently to a black image
-            raise ValueError(f"guidance_scale must be a finite number, got {guidance}")
-        if not 0.0 <= rescale <= 1.0:
-            raise ValueError(f"guidance_rescale must be in [0, 1], got {rescale}")
-        sched_name = canonical_scheduler_name(scheduler or defaults.scheduler)
-        if steps < 1:
-            raise ValueError(f"num_inference_steps must be ≥ 1, got {steps}")
-        from rapiddiff.models.deep_cache import check_interval
-
-        check_interval(deep_cache)
-        from rapiddiff.models.token_merge import TokenMerge, check_ratio
-
-        token_merge = check_ratio(token_merge)
-        if token_merge > 0:
-            TokenMerge.of(self.unet)  # a U-Net with nothing to merge is refused before sampling
-        if num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be ≥ 1, got {num_images_per_prompt}")
-        if output_type not in ("pil", "np", "pt", "latent"):
-            raise ValueError(f"unknown output_type '{output_type}'; choose pil, np, pt or latent")
+        steps, guidance, rescale, sched_name = self._sampling_settings(
+            num_inference_steps, guidance_scale, guidance_rescale, scheduler
+        )
+        token_merge = self._check_options(deep_cache, token_merge, num_images_per_prompt, output_type)
         if upscale is None:
             upscale = self.upscaler is not None
         if upscale:
@@ -548,14 +431,8 @@ class RapidDiffusionPipeline:
         settings = self._settings(
             steps, guidance, sched_name, height, width, knowledge_on, bool(upscale), eta, init, mask, strength
         )
-        if settings["knowledge"] and knowledge_mode != "embed":
-            settings["knowledge_mode"] = knowledge_mode  # "text" / "both": --from-png must know it
-        if deep_cache > 1:
-            settings["deep_cache"] = deep_cache  # an approximation: --from-png must remake it too
-        if token_merge > 0:
-            settings["token_merge"] = token_merge  # likewise
-        if rescale and guidance > 1.0:
-            settings["guidance_rescale"] = rescale
+        mode = knowledge_mode if settings["knowledge"] else "embed"  # no mode to record when off
+        settings.update(_approximate_settings(mode, deep_cache, token_merge, guidance, rescale))
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
@@ -609,6 +486,39 @@ class RapidDiffusionPipeline:
         out = _convert(images, output_type)
         times["total"] = time.perf_counter() - started
         return GenerationOutput(out, seeds, all_prompts, all_negatives, metadata, latents, times)
+
+    def _sampling_settings(
+        self, steps: int | None, guidance: float | None, rescale: float | None, scheduler: str | None
+    ) -> tuple[int, float, float, str]:
+        """A call's steps, guidance, CFG rescale and sampler: the arguments given, else the model
+        folder's defaults (``self.sampling``); checked."""
+        defaults = self.sampling
+        steps = defaults.num_inference_steps if steps is None else int(steps)
+        guidance = defaults.guidance_scale if guidance is None else float(guidance)
+        rescale = defaults.guidance_rescale if rescale is None else float(rescale)
+        if not math.isfinite(guidance):  # NaN would sample silently to a black image
+            raise ValueError(f"guidance_scale must be a finite number, got {guidance}")
+        if not 0.0 <= rescale <= 1.0:
+            raise ValueError(f"guidance_rescale must be in [0, 1], got {rescale}")
+        sched_name = canonical_scheduler_name(scheduler or defaults.scheduler)
+        if steps < 1:
+            raise ValueError(f"num_inference_steps must be ≥ 1, got {steps}")
+        return steps, guidance, rescale, sched_name
+
+    def _check_options(self, deep_cache: int, token_merge: float, per_prompt: int, output_type: str) -> float:
+        """Check a call's approximations, image count and output type; returns the ToMe ratio."""
+        from rapiddiff.models.deep_cache import check_interval
+        from rapiddiff.models.token_merge import TokenMerge, check_ratio
+
+        check_interval(deep_cache)
+        token_merge = check_ratio(token_merge)
+        if token_merge > 0:
+            TokenMerge.of(self.unet)  # a U-Net with nothing to merge is refused before sampling
+        if per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be ≥ 1, got {per_prompt}")
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ValueError(f"unknown output_type '{output_type}'; choose pil, np, pt or latent")
+        return token_merge
 
     def _settings(
         self,
@@ -670,21 +580,22 @@ class RapidDiffusionPipeline:
         )
         return pixels, masker.preprocess(mask.image, height=height, width=width)
 
-    # ------------------------------------------------------------------ the fast path
-    def enable_fast(self, **switches: Any) -> RapidDiffusionPipeline:
-        """Apply ``rapiddiff.infer.accelerate`` to this pipeline (see :func:`accelerate`); returns it.
 
-        ``pipe.denoiser = None`` goes back to the eager loop (the module transforms stay).
-        """
-        import importlib.util
-
-        if importlib.util.find_spec("rapiddiff.infer.accelerate") is None:
-            raise RuntimeError(
-                "the fast path (rapiddiff.infer.accelerate) is not available in this installation"
-            )
-        from rapiddiff.infer.accelerate import accelerate
-
-        return accelerate(self, **switches)
+def _approximate_settings(
+    knowledge_mode: str, deep_cache: int, token_merge: float, guidance: float, rescale: float
+) -> dict[str, Any]:
+    """The settings a PNG records only when they differ from the exact default, so --from-png
+    remakes the image."""
+    settings: dict[str, Any] = {}
+    if knowledge_mode != "embed":
+        settings["knowledge_mode"] = knowledge_mode  # "text" / "both"
+    if deep_cache > 1:
+        settings["deep_cache"] = deep_cache  # an approximation
+    if token_merge > 0:
+        settings["token_merge"] = token_merge  # likewise
+    if rescale and guidance > 1.0:
+        settings["guidance_rescale"] = rescale
+    return settings
 
 
 def eager_denoise(

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.models.sampling import SamplingDefaults
 from rapiddiff.utils.io import atomic_open
 
 if TYPE_CHECKING:
@@ -133,7 +134,8 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
         "seed": int(meta["seed"]),
         "num_inference_steps": int(meta["steps"]),
         "guidance_scale": float(meta["guidance"]),
-        "scheduler": meta.get("scheduler", "pndm"),
+        # Only images from before the sampler was recorded lack it: those used the library default.
+        "scheduler": meta.get("scheduler", SamplingDefaults().scheduler),
         # a mode ("text", "both") when the image recorded one, else on/off
         "knowledge": meta["knowledge_mode"]
         if meta.get("knowledge") and meta.get("knowledge_mode")

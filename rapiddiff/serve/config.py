@@ -21,7 +21,7 @@ class ServeConfig:
     dtype: str = "auto"
     """``auto`` (fp16 on CUDA, fp32 on CPU), ``float32``, ``float16`` or ``bfloat16``."""
     fast: bool = False
-    """Use the pipeline's fast path (``pipe.enable_fast()``); ``/ready`` waits for its warm-up."""
+    """Use the pipeline's fast path (``accelerate(pipe)``); ``/ready`` waits for its warm-up."""
     warmup_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size);
     ``--warmup-size`` takes them as ``WIDTHxHEIGHT``, the API's form."""

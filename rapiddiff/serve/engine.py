@@ -133,7 +133,9 @@ def load_pipeline(config: ServeConfig, device_name: str) -> Any:
         # The fast path captures one sampling graph per (batch, size, steps): keep one per batch
         # bucket and warmed-up size, so serving never evicts and recaptures them.
         sizes = max(1, len(config.warmup_sizes))
-        pipe.enable_fast(max_graphs=len(batch_buckets(config.max_batch, config.fast_batches)) * sizes + 1)
+        from rapiddiff.infer.accelerate import accelerate
+
+        accelerate(pipe, max_graphs=len(batch_buckets(config.max_batch, config.fast_batches)) * sizes + 1)
     linker = getattr(pipe.text_encoder, "linker", None)
     if linker is not None:
         linker.link("番茄")  # jieba loads its dictionary on first use: pay that before /ready

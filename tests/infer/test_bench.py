@@ -14,7 +14,7 @@ from rapiddiff.infer.bench import BenchConfig, plan_tasks, psnr, run_bench
 
 
 def test_config_rejects_unknown_names():
-    with pytest.raises(ValueError, match="rapiddiff-fp8"):
+    with pytest.raises(ValueError, match="rapiddiff-tome"):
         BenchConfig(variants=("eager", "turbo"))
     with pytest.raises(ValueError, match="channels_last"):
         BenchConfig(switches=("warp",))
@@ -24,19 +24,15 @@ def test_config_rejects_unknown_names():
 def test_tasks_put_the_headline_first():
     cfg = BenchConfig(
         batches=(1, 8),
-        variants=("recipe", "rapiddiff", "rapiddiff-fp8"),
+        variants=("recipe", "rapiddiff", "rapiddiff-tome"),
         switches=("fuse_qkv",),
         second_process=True,
     )
     names = [(t, a[0] if a else None, a[1] if a else None) for t, a in plan_tasks(cfg)]
-    assert names[:4] == [
-        ("run", "eager", 1),
-        ("run", "recipe", 1),
-        ("run", "rapiddiff", 1),
-        ("second_process", None, None),
-    ]
-    assert names[4:7] == [("run", "eager", 8), ("run", "recipe", 8), ("run", "rapiddiff", 8)]
-    assert names[7] == ("run", "rapiddiff-fp8", 1) and names[8][1] == "switch"
+    assert names[:3] == [("run", "eager", 1), ("run", "recipe", 1), ("run", "rapiddiff", 1)]
+    assert names[3] == ("run", "rapiddiff-tome", 1) and names[4] == ("second_process", None, None)
+    assert names[5:9] == [("run", v, 8) for v in ("eager", "recipe", "rapiddiff", "rapiddiff-tome")]
+    assert names[9][1] == "switch"
 
 
 def test_psnr():
@@ -77,14 +73,36 @@ def test_cli_is_registered():
     assert args.batch == [1, 2] and args.no_compile
 
 
+def test_tuned_variants_parse_by_field_type_and_name_what_is_wrong():
+    from rapiddiff.infer.bench import parse_variant
+
+    assert parse_variant("rapiddiff") == {}
+    assert parse_variant("rapiddiff+compile_regions") == {"compile_regions": True}  # a bare KEY is true
+    assert parse_variant("rapiddiff+fuse_qkv=false,max_graphs=3,compile_vae=none") == {
+        "fuse_qkv": False,
+        "max_graphs": 3,
+        "compile_vae": None,
+    }
+    for name, error in [
+        ("rapiddiff+fp8", "unknown switch 'fp8'"),  # a removed switch is unknown, not ignored
+        ("rapiddiff+attention=fast", "attention must be one of auto"),
+        ("rapiddiff+max_graphs", "max_graphs needs a value"),
+        ("rapiddiff+fuse_qkv=maybe", "takes true or false"),
+        ("rapiddiff+compile_cache=/x", "unknown switch 'compile_cache'"),  # the bench owns the cache
+        ("rapiddiff+fuse_qkv,fuse_qkv=false", "given twice"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            parse_variant(name)
+
+
 def test_profile_takes_variants_and_buckets_cudnn_attention_as_attention():
     from rapiddiff.infer.bench import _family
 
     args = build_parser().parse_args(["bench", "--profile"])
     assert args.profile == []  # bare --profile: the rapiddiff row (bench_cli fills the default)
-    args = build_parser().parse_args(["bench", "--profile", "rapiddiff", "rapiddiff+fuse_norm=true"])
-    assert args.profile == ["rapiddiff", "rapiddiff+fuse_norm=true"]
-    assert BenchConfig(profile_variants=("rapiddiff+fuse_norm=true",)).profile_variants
+    args = build_parser().parse_args(["bench", "--profile", "rapiddiff", "rapiddiff+fuse_qkv=false"])
+    assert args.profile == ["rapiddiff", "rapiddiff+fuse_qkv=false"]
+    assert BenchConfig(profile_variants=("rapiddiff+fuse_qkv=false",)).profile_variants
     with pytest.raises(ValueError, match="profile variants are rapiddiff"):
         BenchConfig(profile_variants=("recipe",))
     # cuDNN names its attention kernel "..._sdpa_..._fprop_...": attention, not a convolution
@@ -92,7 +110,6 @@ def test_profile_takes_variants_and_buckets_cudnn_attention_as_attention():
         _family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64") == "attention"
     )
     assert _family("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
-    assert _family("rapiddiff_gn_apply") == "rapiddiff Triton kernels"
     assert _family("triton_per_fused_add_native_group_norm_silu_31") == "fused Triton (norms, elementwise)"
 
 
@@ -104,7 +121,7 @@ def test_profile_writes_each_variants_families_and_every_kernel(tmp_path):
 
     from rapiddiff.infer.bench import profile_fast
 
-    variants = ("rapiddiff+compile_unet=None,compile_vae=None", "rapiddiff+fuse_norm=true,compile_unet=None")
+    variants = ("rapiddiff+compile_unet=None,compile_vae=None", "rapiddiff+fuse_qkv=false,compile_unet=None")
     cfg = BenchConfig(preset="tiny", steps=2, dtype="float32", device="cpu", compile=False,
                       profile=True, profile_variants=variants, out=str(tmp_path))  # fmt: skip
     summary = profile_fast(cfg, torch.device("cpu"), tmp_path)
@@ -128,7 +145,7 @@ def test_profile_keeps_finished_variants_when_a_later_one_breaks_or_the_budget_i
 
     from rapiddiff.infer import bench
 
-    variants = ("rapiddiff+compile_unet=None,compile_vae=None", "rapiddiff+fuse_norm=true,compile_unet=None")
+    variants = ("rapiddiff+compile_unet=None,compile_vae=None", "rapiddiff+fuse_qkv=false,compile_unet=None")
     cfg = BenchConfig(preset="tiny", steps=2, dtype="float32", device="cpu", compile=False,
                       profile=True, profile_variants=variants, out=str(tmp_path))  # fmt: skip
     built = []

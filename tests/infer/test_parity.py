@@ -1,7 +1,7 @@
 """One generation path, checked against references: the same image as diffusers (knowledge off) for
 every task × sampler, and the same image on the fast path as on the eager one for every
 fast-path switch that runs on a CPU. The GPU-only switches (graph loop, fp16, attention backends,
-compile, fp8) are checked in test_gpu_parity.py."""
+compile) are checked in test_gpu_parity.py."""
 
 from __future__ import annotations
 
@@ -163,14 +163,13 @@ def test_resident_loop_runs_img2img_on_the_plan(tiny_folders, images, scheduler,
 
 
 def test_fast_path_gives_the_eager_images(tiny_folders):
-    """(Moved from test_pipeline.py.) enable_fast on the pipeline: same images, seeds and metadata."""
+    """accelerate() on the pipeline: same images, seeds and metadata."""
     prompts, seeds = ["蓝色背景上有一个番茄", "a red circle"], [3, 11]
     pipe = RapidDiffusionPipeline.from_pretrained(tiny_folders["bert"])
     kw = {"num_inference_steps": 3, "seed": seeds, "output_type": "np", "progress": False}
     eager = {s: pipe(prompts, NEGATIVE, scheduler=s, **kw).images for s in ("pndm", "dpm++")}
-    assert (
-        pipe.enable_fast(compile_unet=None, compile_vae=None) is pipe
-    )  # compiling takes minutes on 2 CPU cores
+    # compile_unet=None: compiling takes minutes on 2 CPU cores
+    assert accelerate(pipe, compile_unet=None, compile_vae=None) is pipe
     for name, expected in eager.items():
         fast = pipe(prompts, NEGATIVE, scheduler=name, **kw)
         np.testing.assert_allclose(fast.images, expected, atol=1e-4, rtol=0, err_msg=name)
