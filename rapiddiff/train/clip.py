@@ -6,7 +6,7 @@ features are computed; gathered across GPUs; symmetric InfoNCE. At the end of fi
 written with ``KnowledgeCLIP.save_pretrained`` to ``--output`` (default
 ``<trainer.default_root_dir>/model``), where ``rapiddiff eval recall`` and the U-Net stage read it.
 The plumbing (seeded resumable data order, rolling checkpoints, Ctrl-C save, export) is the one
-every stage shares: :func:`rapiddiff.train.common.run_cli`.
+every stage shares: :func:`rapiddiff.train.lightning_cli.run_cli`.
 
 Entity-token dropout (knowledge on only): with probability ``entity_token_dropout`` an entity
 mention's tokens are replaced — half the time by [MASK], half by random vocabulary tokens — while
@@ -42,9 +42,12 @@ import torch.nn.functional as F
 
 from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer, entities_with_facts
-from rapiddiff.train.common import FrozenGC, RapidModule, run_cli, use_fused_adamw
+from rapiddiff.train.callbacks import FrozenGC
 from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.lightning_cli import run_cli
+from rapiddiff.train.module import RapidModule
 from rapiddiff.train.negatives import ValueSwap
+from rapiddiff.train.optim import use_fused_adamw
 from rapiddiff.train.speed import GRAPH_WARMUP_STEPS, GraphedLoss
 from rapiddiff.utils.logging import get_logger
 

@@ -24,15 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapiddiff.models.sampling import SamplingDefaults, default_sampler, zero_terminal_snr_config
-from rapiddiff.train.common import (
-    FrozenGC,
-    OptimConfig,
-    RapidCLI,
-    RapidModule,
-    configure_adamw,
-    run_cli,
-)
+from rapiddiff.train.callbacks import FrozenGC
 from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.lightning_cli import RapidCLI, run_cli
+from rapiddiff.train.module import RapidModule
+from rapiddiff.train.optim import OptimConfig, configure_adamw
 from rapiddiff.train.speed import (
     GRAPH_WARMUP_STEPS,
     GraphedLoss,

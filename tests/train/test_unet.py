@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rapiddiff.train import unet as unet_stage
-from rapiddiff.train.common import NonFiniteLossError
+from rapiddiff.train.finite import NonFiniteLossError
 from tests.train.helpers import read_losses, tiny_unet_args, write_imagefolder
 
 
