@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from rapiddiff.models.upscaler_names import ARCHITECTURES, COMPACT_BASES
 from rapiddiff.train.data import PairedImageData
 from rapiddiff.train.gan import GanConfig, PatchDiscriminator, adversarial_losses
 from rapiddiff.train.lightning_cli import RapidCLI, run_cli
@@ -62,8 +63,6 @@ class NetworkConfig:
     """Upscaling factor."""
 
     def __post_init__(self) -> None:
-        from rapiddiff.models.upscaler import ARCHITECTURES, COMPACT_BASES
-
         if self.arch not in ARCHITECTURES:
             raise ValueError(
                 f"model.network.arch={self.arch!r} is not an upscaler architecture; valid: {', '.join(ARCHITECTURES)}"
