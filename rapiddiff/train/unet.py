@@ -100,12 +100,12 @@ class SamplingConfig:
     prompts: tuple[str, ...] = ("蓝色背景上有一个红色的圆形", "白色背景上有一个番茄")
     seeds: tuple[int, ...] = (0, 1)
     negative_prompt: str = ""
-    num_inference_steps: int | None = 25
-    """None: the start model's (``pretrained``'s rapiddiff.json), else 50."""
-    guidance_scale: float | None = 7.5
-    """None: the start model's, else 7.5."""
+    num_inference_steps: int | None = None
+    """None: the start model's (``pretrained``'s rapiddiff.json), else SamplingDefaults'."""
+    guidance_scale: float | None = None
+    """None: the start model's, else SamplingDefaults'."""
     scheduler: str | None = None
-    """pndm, ddim or dpm++; None: the start model's, else pndm."""
+    """pndm, ddim or dpm++; None: the start model's, else SamplingDefaults'."""
     size: int | None = None
     """Image side in pixels; None = the U-Net's sample_size × the VAE factor."""
 
@@ -648,7 +648,6 @@ class LatentDiffusion(RapidModule):
         """The sampling settings of the grids and of the exported folder: this config's, where it
         gives them, else the start model's (``pretrained``), else the library's."""
         from rapiddiff.models.bundle import read_sampling
-        from rapiddiff.models.sampling import SamplingDefaults
 
         pretrained = self.hparams.get("pretrained")
         base = (read_sampling(pretrained) if pretrained else None) or SamplingDefaults()
@@ -729,7 +728,7 @@ class LatentDiffusion(RapidModule):
             unet,
             self.vae,
             # The folder's scheduler class: diffusers' pipelines sample with it as they find it.
-            make_scheduler(default_sampler(self.scheduler_config, "pndm"), self.scheduler_config),
+            make_scheduler(default_sampler(self.scheduler_config, SamplingDefaults.scheduler), self.scheduler_config),
             self.text_encoder,
             upscaler=self._base_upscaler(),
             sampling=defaults,
