@@ -12,7 +12,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint, RichProgressBar
 
 from rapiddiff.train.checkpoints import checkpoint_dir
 from rapiddiff.train.module import RapidModule
@@ -179,7 +179,7 @@ class SampleGrid(Callback):
         finally:
             pl_module.train(was_training)
         if trainer.is_global_zero:
-            log.warning(
+            log.info(
                 "step %d: sample grid drawn in %.1f s", trainer.global_step, time.perf_counter() - started
             )
         folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"  # log_dir is collective
@@ -271,3 +271,25 @@ def _duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, labelled with steps when ``max_steps`` ends the run.
+
+    Lightning labels it ``Epoch e/max_epochs - 1``, which reads ``Epoch 2/-2`` when max_epochs is
+    unset (-1) and max_steps decides the end.
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        trainer = self.trainer
+        if trainer.max_steps > 0 and (trainer.max_epochs is None or trainer.max_epochs < 0):
+            return f"step {trainer.global_step}/{trainer.max_steps}"
+        return super()._get_train_description(current_epoch)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            description = self._get_train_description(trainer.current_epoch)
+            self.progress.update(self.train_progress_bar_id, description=description)

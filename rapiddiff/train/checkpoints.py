@@ -88,10 +88,29 @@ class RollingCheckpoint(ModelCheckpoint):
             auto_insert_metric_name=False,
         )
 
+    resuming = False
+    """Set by :func:`~rapiddiff.train.lightning_cli.run_cli`: this run continues the folder's checkpoints."""
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = checkpoint_dir(trainer)
         super().setup(trainer, pl_module, stage)
+
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath: Any) -> None:
+        # Lightning warns on any file in the folder, and our resolved config.yaml is always there;
+        # a resume reuses the folder on purpose. Warn only when a new run lands beside old checkpoints.
+        if self.save_top_k == 0 or self.resuming or not dirpath:
+            return
+        old = sorted(Path(dirpath).glob("*.ckpt")) if Path(dirpath).is_dir() else []
+        if old:
+            log.warning(
+                "%s already holds %d checkpoint(s) of an earlier run (e.g. %s), and this run does not "
+                "resume: it writes beside them. Resume with --ckpt_path last, or set another "
+                "trainer.default_root_dir.",
+                dirpath,
+                len(old),
+                old[-1].name,
+            )
 
 
 def checkpoint_dir(trainer: pl.Trainer) -> str:

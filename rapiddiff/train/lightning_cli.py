@@ -14,12 +14,13 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from rapiddiff.models.weights import is_unsafe_pickle_error, unsafe_pickle_error
-from rapiddiff.train.callbacks import GracefulInterrupt, PlainProgress, SampleGrid
+from rapiddiff.train.callbacks import GracefulInterrupt, PlainProgress, SampleGrid, StepProgressBar
 from rapiddiff.train.checkpoints import (
     AtomicCheckpointIO,
     RollingCheckpoint,
@@ -179,6 +180,7 @@ class RapidCLI(LightningCLI):
         self.interrupt = GracefulInterrupt()
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), self.interrupt]
+        callbacks += step_progress_bar(config, callbacks)
         kwargs = {"plugins": plugins, "callbacks": callbacks, "use_distributed_sampler": False, **kwargs}
         if fsdp_strategy_named(config.get("strategy")) is not config.get("strategy"):
             kwargs["strategy"] = fsdp_strategy_named(config.get("strategy"))
@@ -197,6 +199,23 @@ class RapidCLI(LightningCLI):
             if isinstance(logger, RunTensorBoardLogger) and logger.follows_trainer:
                 logger._root_dir = trainer.default_root_dir
         return trainer
+
+
+# Lightning's warnings about what the stages do on purpose: frozen parts (VAE, text tower) stay in
+# eval mode, and a stage without validation data returns no validation loader.
+INTENDED = (r"Found \d+ module\(s\) in eval mode", r"Total length of `list` across ranks is zero")
+
+
+def step_progress_bar(config: dict[str, Any], callbacks: list[Any]) -> list[Any]:
+    """The progress bar labelled with steps (:class:`StepProgressBar`), unless the config turns the
+    bar off, brings its own, or rich is not installed (Lightning's tqdm bar shows no epoch total)."""
+    from pytorch_lightning.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    if config.get("enable_progress_bar") is False or not _RICH_AVAILABLE:
+        return []
+    if any(isinstance(c, ProgressBar) for c in callbacks):
+        return []
+    return [StepProgressBar()]
 
 
 def run_cli(
@@ -231,10 +250,16 @@ def run_cli(
     if trainer.is_global_zero:
         remove_stale_temporaries(folder)
     ckpt_path = resolve_ckpt_path(cli.config.get("ckpt_path"), folder)
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, RollingCheckpoint):
+            callback.resuming = ckpt_path is not None
     if ckpt_path is not None:
         continue_logger_versions(trainer)
     try:
-        trainer.fit(model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+        with warnings.catch_warnings():
+            for message in INTENDED:
+                warnings.filterwarnings("ignore", message=message)
+            trainer.fit(model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     except Exception as err:
         if ckpt_path is not None and is_unsafe_pickle_error(err):
             raise unsafe_pickle_error(f"--ckpt_path {ckpt_path}", err) from err

@@ -728,7 +728,9 @@ class LatentDiffusion(RapidModule):
             unet,
             self.vae,
             # The folder's scheduler class: diffusers' pipelines sample with it as they find it.
-            make_scheduler(default_sampler(self.scheduler_config, SamplingDefaults.scheduler), self.scheduler_config),
+            make_scheduler(
+                default_sampler(self.scheduler_config, SamplingDefaults.scheduler), self.scheduler_config
+            ),
             self.text_encoder,
             upscaler=self._base_upscaler(),
             sampling=defaults,
