@@ -28,10 +28,9 @@ class OptimConfig:
     """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
     fused: bool | None = None
     """torch's fused AdamW kernel: one kernel per step instead of foreach passes over the tensors.
-    None (default): fused when every trained parameter is on a CUDA GPU (median +10.6 % images/s
-    at SD 1.5 size over three H100 runs, -6.7 to +13.7 %: BENCHMARKS.md), else foreach; false: always foreach (the rounding of runs made
-    before 2026-11-23; fused rounds differently, ~1e-4 relative on a loss); true: fused, an error
-    where torch has no fused kernel for a parameter."""
+    None (default): fused when every trained parameter is on a CUDA GPU (faster at SD 1.5 size),
+    else foreach; false: always foreach (fused rounds differently, ~1e-4 relative on a loss); true:
+    fused, an error where torch has no fused kernel for a parameter."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
