@@ -6,6 +6,7 @@ trainer settings follow the machine (:func:`auto_precision`).
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -206,6 +207,21 @@ class RapidCLI(LightningCLI):
 INTENDED = (r"Found \d+ module\(s\) in eval mode", r"Total length of `list` across ranks is zero")
 
 
+class _NoCloudTip(logging.Filter):
+    """Drops the advert for Lightning's cloud logger that every trainer prints at start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_lightning_tips() -> None:
+    """Install :class:`_NoCloudTip` on the loggers Lightning's rank-zero messages go through (once)."""
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoCloudTip) for f in logger.filters):
+            logger.addFilter(_NoCloudTip())
+
+
 def step_progress_bar(config: dict[str, Any], callbacks: list[Any]) -> list[Any]:
     """The progress bar labelled with steps (:class:`StepProgressBar`), unless the config turns the
     bar off, brings its own, or rich is not installed (Lightning's tqdm bar shows no epoch total)."""
@@ -235,6 +251,7 @@ def run_cli(
         "logger": [DEFAULT_LOGGER],
         **(trainer_defaults or {}),
     }
+    quiet_lightning_tips()
     with warnings.catch_warnings():
         # `rapiddiff train <stage>` hands LightningCLI its args while sys.argv holds the whole
         # command (which DDP's launcher must see unchanged); the warning about both is noise here.

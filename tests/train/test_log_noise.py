@@ -20,6 +20,7 @@ NOISE = (
     "module(s) in eval mode",
     "across ranks is zero",
     "holds 1 checkpoint",
+    "litlogger",
 )
 
 
@@ -73,3 +74,27 @@ def test_a_new_run_beside_old_checkpoints_is_named(tmp_path: Path, caplog: pytes
         warn(str(folder))
     assert "holds 1 checkpoint(s) of an earlier run (e.g. step=0000002.ckpt)" in caplog.text
     assert "--ckpt_path last" in caplog.text
+
+
+def test_lightning_cloud_tip_is_dropped_and_other_lines_kept() -> None:
+    from pytorch_lightning.utilities.rank_zero import rank_zero_info
+
+    from rapiddiff.train.lightning_cli import quiet_lightning_tips
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        quiet_lightning_tips()
+        quiet_lightning_tips()  # once is enough: no second filter
+        rank_zero_info("💡 Tip: try installing [litlogger](https://pypi.org/project/litlogger/)")
+        rank_zero_info("GPU available: False, used: False")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    assert seen == ["GPU available: False, used: False"]
+    assert sum(type(f).__name__ == "_NoCloudTip" for f in logger.filters) == 1
