@@ -79,8 +79,8 @@ def make_data(folder: Path, images: int) -> Path:
 
 
 def build_module(scene: str, variant: dict[str, Any], text_frozen: bool) -> Any:
-    from rapiddiff.train.common import OptimConfig
     from rapiddiff.train.finetune import FineTune
+    from rapiddiff.train.optim import OptimConfig
     from rapiddiff.train.speed import SpeedConfig
     from rapiddiff.train.unet import DiffusionLoss, EMAConfig, LatentDiffusion
 

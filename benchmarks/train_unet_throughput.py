@@ -307,7 +307,8 @@ def run_rapiddiff(
 ) -> dict[str, Any]:
     import pytorch_lightning as pl
 
-    from rapiddiff.train.common import OptimConfig, resumable_loader
+    from rapiddiff.train.data_order import resumable_loader
+    from rapiddiff.train.optim import OptimConfig
     from rapiddiff.train.speed import SpeedConfig
     from rapiddiff.train.unet import DiffusionLoss, LatentDiffusion
 

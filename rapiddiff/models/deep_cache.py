@@ -1,26 +1,6 @@
 """DeepCache (Ma, Fang & Wang, CVPR 2024): reuse the U-Net's deep features across denoising steps.
 
-Opt-in and approximate (``deep_cache=N``, ``rapiddiff generate --deep-cache N``); never on by
-default. Neighbouring steps of a sampler change the U-Net's deep, low-resolution features little,
-so every ``N`` steps (uniform interval, the paper's main setting) the whole U-Net runs and the
-features the shallow end of the last up block takes from the deep path are kept; the steps in
-between run only the shallow branch: ``conv_in``, the first layer of the first down block, the
-up-block layers that consume that layer's (and ``conv_in``'s) skip states, and ``conv_out``. The
-branch is the paper's SD 1.5 setting (``cache_layer_id=0, cache_block_id=0`` in
-horseee/DeepCache's experiment code): the first down block's layer 0.
-
-How: no copy of diffusers' ``UNet2DConditionModel.forward``. Every *deep* module (the rest of
-the first down block, the deeper down blocks, the mid block, all up blocks but the last, and the
-last up block's layers that read only deep inputs) has its ``forward`` wrapped while a cached run
-is active: on a full step the wrapper runs the module and keeps its output; on a cached step it
-returns the kept output without computing. diffusers' own forward then wires everything as
-usual, so the fresh shallow layers see the cached deep feature exactly where the full pass
-would have given them the fresh one (the approach of the ``DeepCacheSDHelper`` extension, whose
-skip rule this follows, with the branch of the paper's experiments).
-
-A full step is a full evaluation: ``N = 1`` is the exact U-Net, bit for bit. The wrappers are
-made once per U-Net and installed only inside :meth:`DeepCache.active`, so the exact path never
-runs through them (and ``torch.compile`` sees one stable function object per module).
+How and why: :class:`DeepCache`.
 """
 
 from __future__ import annotations
@@ -52,7 +32,30 @@ def full_steps(evaluations: int, interval: int) -> list[int]:
 
 
 class DeepCache(UNetHooks):
-    """The cache controller of one U-Net; get it with :meth:`of` (one per U-Net)."""
+    """The cache controller of one U-Net; get it with :meth:`of` (one per U-Net).
+
+    Opt-in and approximate (``deep_cache=N``, ``rapiddiff generate --deep-cache N``); never on by
+    default. Neighbouring steps of a sampler change the U-Net's deep, low-resolution features little,
+    so every ``N`` steps (uniform interval, the paper's main setting) the whole U-Net runs and the
+    features the shallow end of the last up block takes from the deep path are kept; the steps in
+    between run only the shallow branch: ``conv_in``, the first layer of the first down block, the
+    up-block layers that consume that layer's (and ``conv_in``'s) skip states, and ``conv_out``. The
+    branch is the paper's SD 1.5 setting (``cache_layer_id=0, cache_block_id=0`` in
+    horseee/DeepCache's experiment code): the first down block's layer 0.
+
+    How: no copy of diffusers' ``UNet2DConditionModel.forward``. Every *deep* module (the rest of
+    the first down block, the deeper down blocks, the mid block, all up blocks but the last, and the
+    last up block's layers that read only deep inputs) has its ``forward`` wrapped while a cached run
+    is active: on a full step the wrapper runs the module and keeps its output; on a cached step it
+    returns the kept output without computing. diffusers' own forward then wires everything as
+    usual, so the fresh shallow layers see the cached deep feature exactly where the full pass
+    would have given them the fresh one (the approach of the ``DeepCacheSDHelper`` extension, whose
+    skip rule this follows, with the branch of the paper's experiments).
+
+    A full step is a full evaluation: ``N = 1`` is the exact U-Net, bit for bit. The wrappers are
+    made once per U-Net and installed only inside :meth:`DeepCache.active`, so the exact path never
+    runs through them (and ``torch.compile`` sees one stable function object per module).
+    """
 
     def __init__(self, unet: nn.Module, layer: int = 0) -> None:
         super().__init__()

@@ -49,12 +49,8 @@ _UNETS: dict[str, dict[str, Any]] = {
     "kshapes": {
         # 128² images → 16² latents: three levels (16, 8, 4), attention at all of them. 9.6 M
         # parameters: with the text tower, VAE and upscaler the model folder is 24.8 MB of fp16 (≤ 25).
-        # 128 channels at 16² instead of 64 (7.0 M, the shipped folder's U-Net): over 3 seeds,
-        # attribute captions 89.1/90.2 → 91.7/91.8 %, held-out entities (mode both) 89.7 → 91.9 %, with
-        # the vectors alone 80 → 86 %. [128, 256, 256] (27 M, 55 MB: too big to ship) drew attribute
-        # captions at 95.7/95.9 % (BENCHMARKS.md, issue 18, "U-Net capacity"). 2 heads of 64 channels
-        # instead of 8 of 16, the same parameters: attribute captions 91.7 → 95.1/94.9 %, held-out
-        # (mode both) 91.9 ± 2.1 → 93.1 ± 1.0/1.3 % (two draws; BENCHMARKS.md, "two attention heads").
+        # 128 channels at 16² (not 64) and 2 heads of 64 channels (not 8 of 16) drew attributes
+        # better over 3 seeds; the wider [128, 256, 256] drew better still but is too big to ship.
         "sample_size": 16,
         "in_channels": 4,
         "out_channels": 4,
@@ -95,8 +91,8 @@ _VAES: dict[str, dict[str, Any]] = {
     },
     "kshapes": {
         # Four blocks ⇒ three downsamplings ⇒ the same 8× factor as SD (~1.45 M parameters). 64
-        # channels at 128² too (was 32): reconstructions read back right 85 % vs 72 % in the same
-        # time, without specks (BENCHMARKS.md "kshapes: the VAE's reconstructions").
+        # channels at 128² too: reconstructions read back right more often in the same time,
+        # without specks.
         "sample_size": 128,
         "in_channels": 3,
         "out_channels": 3,

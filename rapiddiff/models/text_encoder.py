@@ -162,8 +162,7 @@ class KnowledgeTextEncoder(nn.Module):
             the attribute words 红色, 三角形, which are entities too — are read as plain words.
             None: knowledge at every linked mention. A value word's TransE vector says what the KG
             says about it, and on kshapes that makes neighbouring hues' states alike; yet without the
-            vectors the kshapes chain drew worse (attribute captions 90.3 → 83.6 %, 3 seeds;
-            BENCHMARKS.md, issue 18), so the shipped configs leave it None.
+            vectors the kshapes chain drew worse (3 seeds), so the shipped configs leave it None.
         knowledge_mode: "embed" (fused TransE vectors), "text" (facts spelled into the prompt)
             or "both"; used while ``knowledge`` is on.
         expansion_relations: relations whose facts "text"/"both" spell, in order; default

@@ -7,37 +7,7 @@ default. In every transformer block of the U-Net's highest-resolution level that
 copied back to all ``N`` positions before the residual add. Cross-attention and the feed-forward
 see every token (tomesd's defaults: ``merge_attn`` only, ``sx = sy = 2``).
 
-The matching is tomesd's ``bipartite_soft_matching_random2d``: the token grid is cut into 2×2
-cells, one token per cell is a *destination*, the rest are *sources*; each source finds its most
-similar destination (cosine similarity of the block's input tokens, tomesd's metric), and the
-``r`` sources with the highest similarity are averaged into their destinations.
-
-Which destination in each cell: a fixed pattern per U-Net evaluation index ``i`` of a run, drawn
-once on the CPU from ``torch.Generator().manual_seed(PATTERN_SEED + i)`` and kept on the device.
-tomesd draws it with ``torch.randint`` on the device from a fork of the global RNG, once per call;
-a fixed per-evaluation pattern instead (1) keeps rapiddiff's seed rule — an image depends on its
-seed and settings only, never on the process's RNG state, its batch or the path; (2) is a
-constant a captured CUDA graph can hold (no RNG state, no host-to-device copy inside the loop);
-and (3) still moves the destinations from step to step, which is what ToMe's random choice is
-for (a fixed grid of destinations leaves grid artifacts). The matching itself is per row: each
-image (and each CFG half) merges by its own tokens, so a batch does not mix images.
-
-Why not PyPI's ``tomesd`` (0.1.3): it replaces each ``BasicTransformerBlock``'s class with a copy
-of an old diffusers ``forward`` (no ``pos_embed``, GLIGEN, ``ada_norm_single``/``continuous``);
-its destination draw forks the global RNG at first use (an image then depends on what ran
-before, not on its seed) and is switched off for odd batches (an image would depend on its
-batch size); and a draw from a non-default CUDA generator inside a captured graph is not
-replayable without registering it. The algorithm below is tomesd's (MIT), with the unmerge as
-one gather through a precomputed index instead of three scatters.
-
-How: like :mod:`rapiddiff.models.deep_cache`, no copy of diffusers' code. Two ``forward``
-wrappers per merged block are made once and installed only inside :meth:`TokenMerge.active`: the
-block's (it computes the matching from its input ``hidden_states``) and its ``attn1``'s (merge the
-input, attend, unmerge the output). ``R = 0`` installs nothing: the exact path, bit for bit.
-All shapes are fixed by ``N`` and ``R``; nothing reads a tensor back to the host.
-
-Determinism: bit for bit on the CPU. On CUDA the merge's ``scatter_reduce`` adds with atomics,
-whose order PyTorch does not fix: two runs may differ in the last bits of a merged token.
+How and why: :class:`TokenMerge`.
 """
 
 from __future__ import annotations
@@ -181,7 +151,40 @@ def level_grid(h: int, w: int, level: int) -> tuple[int, int]:
 
 
 class TokenMerge(UNetHooks):
-    """The token-merging controller of one U-Net; get it with :meth:`of` (one per U-Net)."""
+    """The token-merging controller of one U-Net; get it with :meth:`of` (one per U-Net).
+
+    The matching is tomesd's ``bipartite_soft_matching_random2d``: the token grid is cut into 2×2
+    cells, one token per cell is a *destination*, the rest are *sources*; each source finds its most
+    similar destination (cosine similarity of the block's input tokens, tomesd's metric), and the
+    ``r`` sources with the highest similarity are averaged into their destinations.
+
+    Which destination in each cell: a fixed pattern per U-Net evaluation index ``i`` of a run, drawn
+    once on the CPU from ``torch.Generator().manual_seed(PATTERN_SEED + i)`` and kept on the device.
+    tomesd draws it with ``torch.randint`` on the device from a fork of the global RNG, once per call;
+    a fixed per-evaluation pattern instead (1) keeps rapiddiff's seed rule — an image depends on its
+    seed and settings only, never on the process's RNG state, its batch or the path; (2) is a
+    constant a captured CUDA graph can hold (no RNG state, no host-to-device copy inside the loop);
+    and (3) still moves the destinations from step to step, which is what ToMe's random choice is
+    for (a fixed grid of destinations leaves grid artifacts). The matching itself is per row: each
+    image (and each CFG half) merges by its own tokens, so a batch does not mix images.
+
+    Why not PyPI's ``tomesd`` (0.1.3): it replaces each ``BasicTransformerBlock``'s class with a copy
+    of an old diffusers ``forward`` (no ``pos_embed``, GLIGEN, ``ada_norm_single``/``continuous``);
+    its destination draw forks the global RNG at first use (an image then depends on what ran
+    before, not on its seed) and is switched off for odd batches (an image would depend on its
+    batch size); and a draw from a non-default CUDA generator inside a captured graph is not
+    replayable without registering it. The algorithm below is tomesd's (MIT), with the unmerge as
+    one gather through a precomputed index instead of three scatters.
+
+    How: like :mod:`rapiddiff.models.deep_cache`, no copy of diffusers' code. Two ``forward``
+    wrappers per merged block are made once and installed only inside :meth:`TokenMerge.active`: the
+    block's (it computes the matching from its input ``hidden_states``) and its ``attn1``'s (merge the
+    input, attend, unmerge the output). ``R = 0`` installs nothing: the exact path, bit for bit.
+    All shapes are fixed by ``N`` and ``R``; nothing reads a tensor back to the host.
+
+    Determinism: bit for bit on the CPU. On CUDA the merge's ``scatter_reduce`` adds with atomics,
+    whose order PyTorch does not fix: two runs may differ in the last bits of a merged token.
+    """
 
     def __init__(self, unet: nn.Module) -> None:
         super().__init__()

@@ -32,6 +32,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.models.upscaler_names import ARCHITECTURES, COMPACT_BASES
 from rapiddiff.utils.io import load_weights, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
@@ -44,10 +45,6 @@ log = get_logger(__name__)
 UPSCALER_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 # The file name an ``upscaler/`` folder of a model folder holds (others are found by suffix).
 UPSCALER_FILENAME = "upscaler.safetensors"
-# What build_upscaler / the training config accept.
-ARCHITECTURES = ("rrdb", "compact")
-# The compact net's upsampled copy of its input (rapiddiff.models.upscaler_compact.BASES).
-COMPACT_BASES = ("nearest", "bicubic")
 
 
 def build_rrdb(
@@ -107,7 +104,7 @@ def build_compact(
     base the last conv is scaled by 0.1 so the network starts close to its skip (ESRGAN scales its
     residual blocks' init the same way); with the bicubic base it is zeroed, so step 0 *is* bicubic.
     """
-    from rapiddiff.models.upscaler_compact import CompactNet
+    from rapiddiff.models.upscaler_compact import CompactNet  # deferred: it imports spandrel
 
     if base not in COMPACT_BASES:
         raise ValueError(f"base={base!r}: the compact upscaler's base is one of {', '.join(COMPACT_BASES)}")
@@ -291,7 +288,7 @@ def _recorded_base(file: Path) -> str | None:
 
 def _as_compact_net(module: nn.Module, base: str) -> nn.Module:
     """spandrel's loaded ``Compact`` as our CompactNet with ``base`` (the same weights, copied)."""
-    from rapiddiff.models.upscaler_compact import CompactNet
+    from rapiddiff.models.upscaler_compact import CompactNet  # deferred: it imports spandrel
 
     net = CompactNet(
         num_in_ch=module.num_in_ch,

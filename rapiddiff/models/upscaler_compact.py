@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from spandrel.architectures.Compact import Compact
 
-from rapiddiff.models.upscaler import COMPACT_BASES as BASES
+from rapiddiff.models.upscaler_names import COMPACT_BASES
 
 
 class CompactNet(Compact):
@@ -35,8 +35,10 @@ class CompactNet(Compact):
         upscale: int = 4,
         base: str = "nearest",
     ) -> None:
-        if base not in BASES:
-            raise ValueError(f"base={base!r}: the compact upscaler's base is one of {', '.join(BASES)}")
+        if base not in COMPACT_BASES:
+            raise ValueError(
+                f"base={base!r}: the compact upscaler's base is one of {', '.join(COMPACT_BASES)}"
+            )
         super().__init__(
             num_in_ch=num_in_ch, num_out_ch=num_out_ch, num_feat=num_feat, num_conv=num_conv, upscale=upscale
         )

@@ -6,7 +6,7 @@ features are computed; gathered across GPUs; symmetric InfoNCE. At the end of fi
 written with ``KnowledgeCLIP.save_pretrained`` to ``--output`` (default
 ``<trainer.default_root_dir>/model``), where ``rapiddiff eval recall`` and the U-Net stage read it.
 The plumbing (seeded resumable data order, rolling checkpoints, Ctrl-C save, export) is the one
-every stage shares: :func:`rapiddiff.train.common.run_cli`.
+every stage shares: :func:`rapiddiff.train.lightning_cli.run_cli`.
 
 Entity-token dropout (knowledge on only): with probability ``entity_token_dropout`` an entity
 mention's tokens are replaced — half the time by [MASK], half by random vocabulary tokens — while
@@ -42,9 +42,12 @@ import torch.nn.functional as F
 
 from rapiddiff.models.clip import KnowledgeCLIP
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder, chinese_bert_tokenizer, entities_with_facts
-from rapiddiff.train.common import FrozenGC, RapidModule, run_cli, use_fused_adamw
+from rapiddiff.train.callbacks import FrozenGC
 from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.lightning_cli import run_cli
+from rapiddiff.train.module import RapidModule
 from rapiddiff.train.negatives import ValueSwap
+from rapiddiff.train.optim import use_fused_adamw
 from rapiddiff.train.speed import GRAPH_WARMUP_STEPS, GraphedLoss
 from rapiddiff.utils.logging import get_logger
 
@@ -70,7 +73,7 @@ class CLIPSpeed:
     chance; random crops are refused (they would be frozen at the first decode)."""
     fused_adamw: bool | None = None
     """torch's fused AdamW kernel. None (default): fused when every trained parameter is on a CUDA GPU,
-    as the U-Net stage's ``optim.fused``; false: foreach (the rounding of runs before 2026-11-23)."""
+    as the U-Net stage's ``optim.fused``; false: foreach (fused rounds differently, ~1e-4 on a loss)."""
     sync_every: int = 1
     """Read the device's non-finite-loss flag every N steps instead of every step (the host queues the
     next step while the GPU works). A NaN still stops the run before any checkpoint or the export
@@ -169,27 +172,25 @@ class CLIPTraining(RapidModule):
             has no 颜色 of its own), so attribute words stay readable and the tower learns them as
             words. None: every linked mention. On kshapes with None and dropout 1.0 the tower never
             saw a colour, shape or background word (they are KG entities too): a U-Net trained on
-            its states without knowledge draws them at chance and positions 99.5 % right
-            (BENCHMARKS.md, issue 18).
+            its states without knowledge draws them at chance.
         fusion_relations: add knowledge only at mentions of entities that head a fact of one of
             these relations, so the attribute words (红色, entities too) are read as words with no
             TransE vector added; saved with the encoder, so the U-Net stage and inference do the same.
-            None: knowledge at every linked mention. On kshapes it drew worse (attribute captions
-            90.3 → 83.6 %, held-out entities 87.8 → 83.3 %, 3 seeds; BENCHMARKS.md, issue 18).
+            None: knowledge at every linked mention. On kshapes it drew worse (measured on 3 seeds).
         hard_negative_relations: add, for each caption that names a value of one of these relations
             (红色 for 颜色), the caption with that value swapped for another (黄色) as an extra negative
             of its image (NegCLIP's hard negatives, chosen by the KG: :mod:`rapiddiff.train.negatives`),
             so the text side must tell neighbouring values apart in the same context. None: in-batch
             negatives only. Needs a knowledge store.
         mask_entity_mentions: the saved encoder replaces entity mentions by [MASK] at inference
-            (knowledge on), so an entity is known only through the KG. On kshapes (H200,
-            2026-11-22) it lowered held-out R@1 (18.8 → 9.4 with entity_token_dropout 1.0): off.
+            (knowledge on), so an entity is known only through the KG. On kshapes it lowered
+            held-out recall: off.
         knowledge_item_dropout: chance that one of an entity's knowledge items (``e``, ``e + r``)
             is left out of its pooled knowledge during training.
         knowledge_entity_item: whether an entity's own TransE vector ``e`` is one of its knowledge
             items (saved in the fusion config, so inference pools the same; a checkpoint's fusion keeps
             its own). False keeps only the ``e + r`` translations, which land near tails that training
-            captions share. No gain on kshapes (BENCHMARKS.md, issue 18).
+            captions share. No gain on kshapes.
         knowledge_relation_items: what each of an entity's relations adds as an item: "translation",
             TransE's ``e + r`` (a prediction of the tail), or "tail", the vector of the tail of the
             entity's fact in the KG (saved in the fusion config, like knowledge_entity_item).
@@ -392,7 +393,7 @@ class CLIPTraining(RapidModule):
         CPU) counting would be a host sync, so one number per token slot is drawn instead and
         mention k reads number k. CUDA's Philox draws give element k the value of thread k, whatever
         the draw's size, and advance the generator by the same offset, while the draw fits one pass
-        of the GPU's threads (SMs × threads per SM: 270 k on an H100; B·L is 8 k at batch 256): so
+        of the GPU's threads (SMs × threads per SM: hundreds of thousands; B·L is 8 k at batch 256): so
         these are the numbers the counted draw gave, without the sync and with fixed shapes (a CUDA
         graph can capture it). Only a GPU batch without any mention differs: it draws anyway (the
         counted draw skipped), which shifts that one step's later draws (dropout).

@@ -1,6 +1,6 @@
 """DataModules: image–caption data (U-Net, fine-tune, VAE) and low/high-resolution pairs (upscaler).
 
-Both train through :func:`rapiddiff.train.common.resumable_loader` (seeded order, exact resume).
+Both train through :func:`rapiddiff.train.data_order.resumable_loader` (seeded order, exact resume).
 Image–caption data comes from :class:`rapiddiff.data.loader.ImageTextDataset` (an imagefolder with
 ``metadata.jsonl`` or a CSV/TSV/JSONL/parquet file); items are ``{"pixel_values": [3, H, W] in
 [-1, 1], "text": str, "index": int}``.
@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rapiddiff.train.common import auto_num_workers, resumable_loader
+from rapiddiff.train.data_order import auto_num_workers, resumable_loader
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -161,7 +161,7 @@ class PairedImageDataset(Dataset):
     ``patch_size`` (low-resolution pixels) crops aligned random patches, with crop positions a
     function of (seed, epoch, index) so a resumed run crops the same patches; ``None`` keeps
     whole images. Items: ``{"lr": [3, h, w], "hr": [3, h·s, w·s]}`` in [0, 1], ``"index"``.
-    Indices ≥ len are ``epoch * len + index`` (from :class:`~rapiddiff.train.common.ResumableSampler`).
+    Indices ≥ len are ``epoch * len + index`` (from :class:`~rapiddiff.train.data_order.ResumableSampler`).
     """
 
     epoch_indexed = True

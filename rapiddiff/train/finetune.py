@@ -25,8 +25,9 @@ from typing import Any, Literal
 
 from rapiddiff.models.bundle import builtin_model_dir
 from rapiddiff.models.lora import FUSION_FILE, INFO_FILE, LORA_WEIGHTS, TEXT_LORA_FILE
-from rapiddiff.train.common import OptimConfig, RapidCLI, run_cli
 from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.lightning_cli import RapidCLI, run_cli
+from rapiddiff.train.optim import OptimConfig
 from rapiddiff.train.unet import EMAConfig, LatentDiffusion, TrainableName
 from rapiddiff.utils.io import atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger

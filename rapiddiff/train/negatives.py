@@ -6,7 +6,7 @@ matching a bag of words. Here the KG says which words may be swapped and for wha
 of a *value* — the tail of a fact of one of the chosen relations (红色 for 颜色) — becomes another
 value of that relation (黄色). In-batch negatives rarely do this: in a batch of kshapes captions,
 a caption's nearest other caption differs in several words, so neighbouring colours never have to
-be told apart in the same context (BENCHMARKS.md, issue 18: the generator confuses exactly those).
+be told apart in the same context (and the generator confuses exactly those).
 
 The swap edits token rows instead of re-tokenizing text: linking and tokenizing cost ~5 ms a
 caption on a CPU, too slow for a few variants of every training caption at each run's start, while

@@ -12,10 +12,7 @@ modules train, latent caching, and the speed switches of :mod:`rapiddiff.train.s
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,95 +20,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapiddiff.models.sampling import SamplingDefaults, default_sampler, zero_terminal_snr_config
-from rapiddiff.train.common import (
-    FrozenGC,
-    OptimConfig,
-    RapidCLI,
-    RapidModule,
-    configure_adamw,
-    run_cli,
-)
+from rapiddiff.train.callbacks import FrozenGC
 from rapiddiff.train.data import ImageTextData, TokenMemo
+from rapiddiff.train.lightning_cli import RapidCLI, run_cli
+from rapiddiff.train.module import RapidModule
+from rapiddiff.train.optim import OptimConfig, configure_adamw
 from rapiddiff.train.speed import (
     GRAPH_WARMUP_STEPS,
     GraphedLoss,
     SpeedConfig,
     apply_speedups,
     lerp_ema,
-    unfuse_for_saving,
 )
+from rapiddiff.train.unet_config import DiffusionLoss, EMAConfig, SamplingConfig
+from rapiddiff.train.unet_data import ResidentData, encode_dataset
+from rapiddiff.train.unet_parts import (
+    check_speed,
+    frozen_dtype,
+    load_components,
+    plain_name,
+    training_schedule,
+)
+from rapiddiff.train.unet_samples import EMAWeights, draw, export_model_folder
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 TrainableName = Literal["unet", "fusion", "text_encoder"]
-
-
-@dataclass(frozen=True)
-class DiffusionLoss:
-    """What the U-Net is asked to predict, and how errors are weighted."""
-
-    prediction_type: Literal["epsilon", "v_prediction"] | None = None
-    """None: the scheduler config's (epsilon for SD 1.x)."""
-    caption_dropout: float = 0.1
-    """Probability of training on the empty caption "" (classifier-free guidance needs it)."""
-    snr_gamma: float | None = None
-    """Min-SNR weighting (Hang et al. 2023), 5.0 is the paper's value; None = plain MSE."""
-    noise_offset: float = 0.0
-    """Add offset × N(0, 1) per image and channel to the noise: darker/brighter images (~0.05)."""
-    zero_terminal_snr: bool = False
-    """Rescale the noise schedule to zero terminal SNR (Lin et al. 2024): the last timestep is pure
-    noise, so the model learns to set an image's overall colour (its background) from the text
-    instead of from what the noise leaks. Needs prediction_type v_prediction. The model folder's
-    scheduler becomes DDIM with trailing timesteps (PNDM cannot step from ᾱ_T = 0). False keeps
-    the start model's schedule (a zero-SNR model stays one)."""
-    input_perturbation: float = 0.0
-    """Input perturbation (Ning et al. 2023; diffusers' train_text_to_image.py --input_perturbation,
-    0.1 there): the noisy latents are made with noise + gamma * N(0, 1) while the target stays the
-    noise, so the model learns to correct inputs a little off the training distribution, as its own
-    earlier steps leave them when sampling (exposure bias). 0: off (kshapes, 3 seeds: 0.1 changed
-    nothing beyond the seeds' spread; BENCHMARKS.md, issue 18)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.caption_dropout <= 1.0:
-            raise ValueError(f"caption_dropout must be in [0, 1], got {self.caption_dropout}")
-        if self.input_perturbation < 0:
-            raise ValueError(f"input_perturbation must be >= 0, got {self.input_perturbation}")
-        if self.snr_gamma is not None and self.snr_gamma <= 0:
-            raise ValueError(f"snr_gamma must be > 0 (or null), got {self.snr_gamma}")
-
-
-@dataclass(frozen=True)
-class EMAConfig:
-    """Exponential moving average of the trained weights (diffusers' EMAModel)."""
-
-    decay: float = 0.9999
-    """Maximum decay."""
-    warmup: bool = True
-    """Ramp the decay up from 0 (diffusers' use_ema_warmup): early averages are not stuck at init."""
-    power: float = 2 / 3
-    """Warm-up curve: decay = 1 - (1 + step)^-power."""
-    update_after_step: int = 0
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Validation images: every prompt with every seed, through rapiddiff.models.sampling (the
-    loop every generation path runs). Steps, guidance and sampler are also the sampling defaults
-    the exported model folder carries."""
-
-    prompts: tuple[str, ...] = ("蓝色背景上有一个红色的圆形", "白色背景上有一个番茄")
-    seeds: tuple[int, ...] = (0, 1)
-    negative_prompt: str = ""
-    num_inference_steps: int | None = 25
-    """None: the start model's (``pretrained``'s rapiddiff.json), else 50."""
-    guidance_scale: float | None = 7.5
-    """None: the start model's, else 7.5."""
-    scheduler: str | None = None
-    """pndm, ddim or dpm++; None: the start model's, else pndm."""
-    size: int | None = None
-    """Image side in pixels; None = the U-Net's sample_size × the VAE factor."""
 
 
 _LOSS, _OPTIM, _EMA, _SAMPLING, _SPEED = (
@@ -141,8 +76,8 @@ class LatentDiffusion(RapidModule):
         trainable: which parts train: "unet", "fusion" (knowledge fusion), "text_encoder" (the tower).
         text_encoder_lr: the tower's peak learning rate when ``trainable`` has "text_encoder" (its own
             AdamW group, on the same schedule); None: ``optim.lr``. The tower arrives trained by the
-            CLIP stage, and at the U-Net's rate it forgets what that stage taught it (BENCHMARKS.md,
-            issue 18): kohya's ``text_encoder_lr`` and DreamBooth practice give it a smaller one.
+            CLIP stage, and at the U-Net's rate it forgets what that stage taught it: kohya's
+            ``text_encoder_lr`` and DreamBooth practice give it a smaller one.
         loss: prediction type, caption dropout, min-SNR, noise offset.
         optim: AdamW and its learning-rate schedule.
         ema: EMA of the trained weights (used for sampling and export); null = off.
@@ -178,7 +113,7 @@ class LatentDiffusion(RapidModule):
         self.loss_cfg, self.optim_cfg, self.sampling, self.seed = loss, optim, sampling, seed
         self.cache_latents, self.speed = cache_latents, speed
         self.sync_every = speed.sync_every
-        _check_speed(speed, cache_latents, list(trainable))
+        check_speed(speed, cache_latents, list(trainable))
         parts = load_components(
             pretrained=pretrained,
             unet=unet,
@@ -534,7 +469,7 @@ class LatentDiffusion(RapidModule):
 
     def on_train_start(self) -> None:
         if self.cache_latents and self._latents is None:
-            self._latents = self._encode_dataset(self.trainer.train_dataloader)
+            self._latents, self._filled = encode_dataset(self, self.trainer.train_dataloader)
         if self.speed.gpu_data:
             dataset = getattr(self.trainer.train_dataloader, "dataset", None)
             self._resident = ResidentData.build(self, getattr(dataset, "source", dataset))
@@ -579,13 +514,13 @@ class LatentDiffusion(RapidModule):
 
     def _trained_names(self) -> set[str]:
         # Under FSDP the wrapped submodules' names carry "_fsdp_wrapped_module."; checkpoints don't.
-        return {_plain_name(n) for n, p in self.named_parameters() if p.requires_grad}
+        return {plain_name(n) for n, p in self.named_parameters() if p.requires_grad}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # a deferred non-finite check stops the save first
         # Only what training changes: frozen weights come back from the config's sources.
         trained = self._trained_names()
-        frozen = {_plain_name(n) for n, _ in self.named_parameters()} - trained
+        frozen = {plain_name(n) for n, _ in self.named_parameters()} - trained
         state = checkpoint["state_dict"]
         for name in frozen & set(state):
             del state[name]
@@ -608,36 +543,6 @@ class LatentDiffusion(RapidModule):
                 )
             self.ema.load_state_dict(checkpoint["ema"])
 
-    @torch.no_grad()
-    def _encode_dataset(self, loader: Any) -> torch.Tensor:
-        from torch.utils.data import DataLoader
-        from tqdm.auto import tqdm
-
-        dataset = getattr(loader.dataset, "source", loader.dataset)  # an index loader's dataset
-        workers = getattr(self.trainer.datamodule, "num_workers", loader.num_workers) if self._trainer else 0
-        plain = DataLoader(dataset, batch_size=loader.batch_size, num_workers=workers, shuffle=False)
-        # Items are indexed by their row in the source table (skipped rows leave gaps).
-        positions = getattr(dataset, "indices", None)
-        rows = max(positions) + 1 if positions else len(dataset)
-        cache: torch.Tensor | None = None
-        filled = torch.zeros(rows, dtype=torch.bool)
-        quiet = self._trainer is not None and not self.trainer.is_global_zero
-        for batch in tqdm(plain, desc="caching latents", disable=quiet):
-            params = self.vae.encode(
-                batch["pixel_values"].to(self.device, self.vae.dtype)
-            ).latent_dist.parameters
-            if cache is None:
-                cache = torch.empty((rows, *params.shape[1:]), dtype=torch.float32)
-            cache[batch["index"]] = params.float().cpu()
-            filled[batch["index"]] = True
-        assert cache is not None
-        if positions is not None and hasattr(dataset, "mark_failed"):
-            # Items that failed to decode in the workers were replaced there by the next good one,
-            # leaving their cache rows empty: skip them for the rest of training too.
-            dataset.mark_failed(j for j, row in enumerate(positions) if not filled[row])
-        self._filled = filled
-        return cache
-
     # ------------------------------------------------------------------ sampling and export
     def sample_images(self) -> torch.Tensor | None:
         s = self.sampling
@@ -645,341 +550,16 @@ class LatentDiffusion(RapidModule):
             return None
         prompts = [p for p in s.prompts for _ in s.seeds]
         seeds = [seed for _ in s.prompts for seed in s.seeds]
-        with self.ema_weights():
-            return self.generate(prompts, seeds)
-
-    def sampling_defaults(self) -> SamplingDefaults:
-        """The sampling settings of the grids and of the exported folder: this config's, where it
-        gives them, else the start model's (``pretrained``), else the library's."""
-        from rapiddiff.models.bundle import read_sampling
-        from rapiddiff.models.sampling import SamplingDefaults
-
-        pretrained = self.hparams.get("pretrained")
-        base = (read_sampling(pretrained) if pretrained else None) or SamplingDefaults()
-        s = self.sampling
-        return SamplingDefaults(
-            num_inference_steps=s.num_inference_steps or base.num_inference_steps,
-            guidance_scale=base.guidance_scale if s.guidance_scale is None else s.guidance_scale,
-            # A base's PNDM becomes DDIM on a zero-terminal-SNR schedule (PNDM cannot sample it).
-            scheduler=s.scheduler or default_sampler(self.scheduler_config, base.scheduler),
-        )
-
-    @torch.no_grad()
-    def generate(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        """Images [N, 3, H, W] in [0, 1] through the one generation path (rapiddiff.models.sampling):
-        image k from its own CPU generator seeded ``seeds[k]``, as ``rapiddiff generate`` makes it."""
-        from rapiddiff.models import sampling
-
-        s, d = self.sampling, self.sampling_defaults()
-        scheduler = sampling.make_scheduler(d.scheduler, self.scheduler_config)
-        scheduler.set_timesteps(d.num_inference_steps, device=self.device)
-        side = s.size // sampling.vae_scale_factor(self.vae) if s.size else int(self.unet.config.sample_size)
-        cond = self.text_encoder.encode(prompts).to(self.unet.dtype)  # (N, L, D)
-        uncond = None
-        if d.guidance_scale > 1.0:
-            uncond = self.text_encoder.encode([s.negative_prompt] * len(prompts)).to(self.unet.dtype)
-        shape = (int(self.vae.config.latent_channels), side, side)
-        noise = sampling.draw_noise(sampling.generators(seeds), shape, torch.float32).to(self.device)
-        latents = sampling.denoise(
-            sampling.unet_model(self.unet),
-            noise * scheduler.init_noise_sigma,  # (N, C, h, w)
-            cond,
-            uncond,
-            scheduler,
-            scheduler.timesteps,
-            d.guidance_scale,
-        )
-        return sampling.decode(self.vae, latents)
-
-    class _EMASwap:
-        def __init__(self, module: LatentDiffusion) -> None:
-            self.module = module
-
-        def __enter__(self) -> None:
-            ema = self.module.ema
-            if ema is not None:
-                params = self.module.trainable_parameters()
-                ema.store(params)
-                ema.copy_to(params)
-
-        def __exit__(self, *exc: Any) -> None:
-            if self.module.ema is not None:
-                self.module.ema.restore(self.module.trainable_parameters())
-
-    def ema_weights(self) -> LatentDiffusion._EMASwap:
-        """Context: the EMA weights in place of the trained ones (no-op without EMA)."""
-        return LatentDiffusion._EMASwap(self)
+        with EMAWeights(self):
+            return draw(self, prompts, seeds)
 
     def export(self, path: Path) -> Path:
         """The model folder (DESIGN.md layout, diffusers-loadable), EMA weights when EMA is on; the
         start model's (``pretrained``) upscaler and sampling defaults are carried forward."""
-        from rapiddiff.models.bundle import ModelBundle, read_sampling, save_model_folder
-        from rapiddiff.models.sampling import make_scheduler
-
-        if self.ema is not None:
-            self.ema.copy_to(self.trainable_parameters())
-        unfuse_for_saving(self.unet)
-        self.vae.to(dtype=torch.float32)
-        self.text_encoder.text_model.to(dtype=torch.float32)
-        unet = getattr(self.unet, "_orig_mod", self.unet)
-        # A fine-tune keeps its base's defaults (tuned for it); a model trained from scratch gets the grids'.
-        pretrained = self.hparams.get("pretrained")
-        defaults = (read_sampling(pretrained) if pretrained else None) or self.sampling_defaults()
-        sampler = default_sampler(self.scheduler_config, defaults.scheduler)
-        if sampler != defaults.scheduler:
-            log.info("export: sampler %s → %s (zero-terminal-SNR schedule)", defaults.scheduler, sampler)
-            defaults = dataclasses.replace(defaults, scheduler=sampler)
-        bundle = ModelBundle(
-            unet,
-            self.vae,
-            # The folder's scheduler class: diffusers' pipelines sample with it as they find it.
-            make_scheduler(default_sampler(self.scheduler_config, "pndm"), self.scheduler_config),
-            self.text_encoder,
-            upscaler=self._base_upscaler(),
-            sampling=defaults,
-        )
-        return save_model_folder(bundle, path)
-
-    def _base_upscaler(self) -> nn.Module | None:
-        """The start model's upscaler, carried into the export (logged when there is none)."""
-        pretrained = self.hparams.get("pretrained")
-        folder = Path(pretrained) / "upscaler" if pretrained else None
-        if folder is None or not folder.is_dir():
-            log.info(
-                "export: no upscaler/ to carry over (%s); add one with `rapiddiff train upscaler`",
-                f"{pretrained} has none" if pretrained else "trained from scratch",
-            )
-            return None
-        from rapiddiff.models.upscaler import load_upscaler
-
-        return load_upscaler(folder)
-
-
-def training_schedule(config: Any, loss: DiffusionLoss) -> dict[str, Any]:
-    """The start model's scheduler config with the loss's prediction type and schedule applied;
-    raises when the two do not fit (ε-prediction on a zero-terminal-SNR schedule)."""
-    from rapiddiff.models.sampling import zero_terminal_snr
-
-    out = dict(config)
-    if loss.prediction_type is not None:
-        out["prediction_type"] = loss.prediction_type
-    if loss.zero_terminal_snr:
-        out = zero_terminal_snr_config(out)
-    prediction = out.get("prediction_type", "epsilon")
-    if prediction not in ("epsilon", "v_prediction"):
-        raise ValueError(f"prediction_type {prediction!r}: use epsilon or v_prediction")
-    if zero_terminal_snr(out) and prediction != "v_prediction":
-        raise ValueError(
-            "a zero-terminal-SNR schedule (model.loss.zero_terminal_snr, or a start model trained with "
-            "one) needs model.loss.prediction_type: v_prediction — at the last timestep x_T is pure "
-            "noise, so an ε-prediction says nothing about the image (and min-SNR weights divide by 0)"
-        )
-    return out
-
-
-def _plain_name(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "")
-
-
-def _check_speed(speed: SpeedConfig, cache_latents: bool, trainable: list[str]) -> None:
-    if speed.gpu_data and not cache_latents:
-        raise ValueError("speed.gpu_data keeps the latent cache on the GPU: set model.cache_latents: true")
-    if speed.cache_text and not speed.gpu_data:
-        raise ValueError("speed.cache_text needs speed.gpu_data: true (the states live beside the latents)")
-    if speed.cache_text and {"fusion", "text_encoder"} & set(trainable):
-        raise ValueError(
-            "speed.cache_text needs a frozen text side, but model.trainable has "
-            f"{sorted({'fusion', 'text_encoder'} & set(trainable))}: set cache_text: false"
-        )
-    if speed.cuda_graph and speed.compile:
-        raise ValueError(
-            "speed.cuda_graph and speed.compile: choose one (a compiled U-Net is not captured here)"
-        )
-    if speed.sync_every < 1:
-        raise ValueError(
-            f"speed.sync_every is a number of steps >= 1 (1: every step), got {speed.sync_every}"
-        )
-
-
-class ResidentData:
-    """The training set on the device (``speed.gpu_data``): latent parameters, tokens per caption,
-    and with ``speed.cache_text`` the caption hidden states. A batch is gathered from the sampler's
-    positions with the plain step's random draws, in its order (latent sample on the device,
-    caption dropout from the host generator)."""
-
-    def __init__(
-        self,
-        latents: torch.Tensor,
-        rows: torch.Tensor,
-        captions: torch.Tensor,
-        empty: int,
-        tokens: dict[str, torch.Tensor],
-        states: torch.Tensor | None,
-    ) -> None:
-        self.latents = latents  # (N_rows, 2·C, h, w) mean ‖ logvar, float32
-        self.rows = rows  # (N,) position → source row (failed items → the next good one)
-        self.captions = captions  # (N,) position → distinct-caption id
-        self.empty = empty  # the id of "" (caption dropout)
-        self.tokens = tokens  # {name: (U, L)} per distinct caption
-        self.states = states  # (U, L, D) or None
-
-    @classmethod
-    @torch.no_grad()
-    def build(cls, module: LatentDiffusion, dataset: Any) -> ResidentData:
-        if module._latents is None or not hasattr(dataset, "texts") or not hasattr(dataset, "indices"):
-            raise ValueError(
-                "speed.gpu_data needs cached latents and an ImageTextDataset (with .texts and .indices); "
-                f"got {type(dataset).__name__}"
-            )
-        filled = getattr(module, "_filled", None)
-        rows: list[int] = list(dataset.indices)
-        good = [j for j, r in enumerate(rows) if filled is None or bool(filled[r])]
-        if not good:
-            raise RuntimeError("speed.gpu_data: no training image could be encoded")
-        # As ImageTextDataset.__getitem__ does: a failed item is replaced by the next good one.
-        nxt, redirect = good[0], [0] * len(rows)
-        for j in reversed(range(len(rows))):
-            if filled is None or bool(filled[rows[j]]):
-                nxt = j
-            redirect[j] = nxt
-        texts = [dataset.texts[redirect[j]] for j in range(len(rows))]
-        distinct = list(dict.fromkeys(["", *texts]))
-        ids = {c: i for i, c in enumerate(distinct)}
-        device = module.device
-        tokens = {k: v.to(device) for k, v in module._tokenize(distinct).items()}
-        states = None
-        if module.speed.cache_text:
-            chunks = []
-            context = module.trainer.precision_plugin.forward_context() if module._trainer else None
-            with context or contextlib.nullcontext():
-                for start in range(0, len(distinct), 256):
-                    part = {k: v[start : start + 256] for k, v in tokens.items()}
-                    chunks.append(module.text_forward(part))
-            states = torch.cat(chunks)
-        return cls(
-            latents=module._latents.to(device),
-            rows=torch.tensor([rows[redirect[j]] for j in range(len(rows))], device=device),
-            captions=torch.tensor([ids[t] for t in texts], device=device),
-            empty=ids[""],
-            tokens=tokens,
-            states=states,
-        )
-
-    def batch(
-        self, module: LatentDiffusion, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
-        """Latents (B, C, h, w) scaled, and the cached context (B, L, D) or the captions' tokens
-        (B, L) for these sampler positions."""
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        positions = positions.to(self.rows.device, non_blocking=True)
-        params = self.latents[self.rows[positions]]  # (B, 2·C, h, w)
-        latents = DiagonalGaussianDistribution(params).sample() * module.vae.config.scaling_factor
-        drop = torch.rand(len(positions)) < module.loss_cfg.caption_dropout  # as drop_captions draws it
-        if drop.device != positions.device:
-            drop = drop.pin_memory().to(positions.device, non_blocking=True)
-        caption = torch.where(drop, self.empty, self.captions[positions])  # (B,)
-        if self.states is not None:
-            return latents, self.states[caption]
-        return latents, {k: v[caption] for k, v in self.tokens.items()}
-
-
-def frozen_dtype(precision: str) -> torch.dtype:
-    """dtype for frozen modules under a Trainer precision ("bf16-mixed" → bfloat16, ...)."""
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float32
+        return export_model_folder(self, path)
 
 
 # ----------------------------------------------------------------------------- loading parts
-def _is_preset(value: str, names: Sequence[str]) -> bool:
-    return value in names and not Path(value).exists()
-
-
-def _subfolder(path: Path, name: str, marker: str = "config.json") -> Path:
-    """``path/name`` when it holds the component, else ``path`` itself (a bare component folder)."""
-    if (path / name / marker).is_file():
-        return path / name
-    if (path / marker).is_file():
-        return path
-    raise FileNotFoundError(
-        f"{path}: no {name}/{marker} or {marker}; expected a {name} folder or a model folder"
-    )
-
-
-def load_components(
-    *,
-    pretrained: str | None,
-    unet: str,
-    vae: str,
-    text_encoder: str,
-    scheduler: str | None,
-    knowledge: str | None,
-    fusion_layers: list[int],
-) -> dict[str, Any]:
-    """U-Net, VAE, KnowledgeTextEncoder and the scheduler config, from presets or folders."""
-    import json
-
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-
-    from rapiddiff.models import presets
-    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
-
-    if pretrained is not None:
-        from rapiddiff.models.bundle import load_model_folder
-
-        bundle = load_model_folder(pretrained, load_upscaler=False)
-        parts: dict[str, Any] = {
-            "unet": bundle.unet,
-            "vae": bundle.vae,
-            "text_encoder": bundle.text_encoder,
-            "scheduler_config": dict(bundle.scheduler.config),
-        }
-    else:
-        if _is_preset(unet, presets.PRESETS):
-            unet_model = UNet2DConditionModel(**presets.unet_config(unet))
-        elif Path(unet).is_file():  # a config.json alone: another architecture, random init
-            unet_model = UNet2DConditionModel.from_config(presets.read_unet_config(unet))
-        else:
-            unet_model = UNet2DConditionModel.from_pretrained(str(_subfolder(Path(unet), "unet")))
-        if _is_preset(vae, presets.PRESETS):
-            log.warning("VAE preset %r: random weights — only for tests and benchmarks", vae)
-            vae_model = AutoencoderKL(**presets.vae_config(vae))
-        else:
-            vae_model = AutoencoderKL.from_pretrained(str(_subfolder(Path(vae), "vae")))
-        if _is_preset(text_encoder, presets.PRESETS):
-            from transformers import BertConfig, BertModel
-
-            from rapiddiff.models.text_encoder import chinese_bert_tokenizer
-
-            tower = BertModel(BertConfig(**presets.bert_text_config(text_encoder)), add_pooling_layer=False)
-            encoder = KnowledgeTextEncoder(
-                tower,
-                chinese_bert_tokenizer(),
-                fusion_layers=fusion_layers,
-                out_dim=unet_model.config.cross_attention_dim,
-            )
-        else:
-            encoder = KnowledgeTextEncoder.from_pretrained(text_encoder)
-        config = presets.scheduler_config()
-        if scheduler is not None:
-            file = _subfolder(Path(scheduler), "scheduler", "scheduler_config.json") / "scheduler_config.json"
-            config = json.loads(file.read_text(encoding="utf-8"))
-        parts = {"unet": unet_model, "vae": vae_model, "text_encoder": encoder, "scheduler_config": config}
-    if knowledge is not None:
-        from rapiddiff.kg.store import KnowledgeStore
-
-        if parts["text_encoder"].store is not None:
-            log.warning(
-                "replacing the text encoder's KnowledgeStore with %s (fusion weights restart at zero)",
-                knowledge,
-            )
-        parts["text_encoder"].set_store(KnowledgeStore.load(knowledge))
-    for name in ("unet", "vae", "text_encoder"):
-        parts[name].train().requires_grad_(True)
-    return parts
 
 
 def cli_main(args: list[str] | None = None) -> RapidCLI:

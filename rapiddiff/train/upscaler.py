@@ -21,16 +21,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from rapiddiff.train.common import (
-    OptimConfig,
-    RapidCLI,
-    RapidModule,
-    configure_adamw,
-    psnr,
-    run_cli,
-)
+from rapiddiff.models.upscaler_names import ARCHITECTURES, COMPACT_BASES
 from rapiddiff.train.data import PairedImageData
 from rapiddiff.train.gan import GanConfig, PatchDiscriminator, adversarial_losses
+from rapiddiff.train.lightning_cli import RapidCLI, run_cli
+from rapiddiff.train.module import RapidModule
+from rapiddiff.train.optim import OptimConfig, configure_adamw, psnr
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -67,8 +63,6 @@ class NetworkConfig:
     """Upscaling factor."""
 
     def __post_init__(self) -> None:
-        from rapiddiff.models.upscaler import ARCHITECTURES, COMPACT_BASES
-
         if self.arch not in ARCHITECTURES:
             raise ValueError(
                 f"model.network.arch={self.arch!r} is not an upscaler architecture; valid: {', '.join(ARCHITECTURES)}"

@@ -19,16 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from rapiddiff.train.common import (
-    OptimConfig,
-    RapidCLI,
-    RapidModule,
-    configure_adamw,
-    psnr,
-    run_cli,
-)
 from rapiddiff.train.data import ImageTextData
 from rapiddiff.train.gan import GanConfig, PatchDiscriminator, adversarial_losses
+from rapiddiff.train.lightning_cli import RapidCLI, run_cli
+from rapiddiff.train.module import RapidModule
+from rapiddiff.train.optim import OptimConfig, configure_adamw, psnr
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)

@@ -11,8 +11,8 @@ import yaml
 
 from rapiddiff.kg.store import KnowledgeStore
 from rapiddiff.train import clip as clip_train
-from rapiddiff.train.common import RapidCLI
 from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.lightning_cli import RapidCLI
 
 REPO = Path(__file__).resolve().parents[2]
 COLOURS = {"红色": (215, 35, 35), "黄色": (245, 215, 35), "蓝色": (30, 90, 225), "绿色": (40, 160, 60)}

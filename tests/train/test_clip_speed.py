@@ -16,7 +16,7 @@ import yaml
 
 from rapiddiff.kg.store import KnowledgeStore
 from rapiddiff.train import clip as clip_train
-from rapiddiff.train.common import NonFiniteLossError
+from rapiddiff.train.finite import NonFiniteLossError
 from rapiddiff.train.speed import GRAPH_WARMUP_STEPS
 from tests.train.helpers import read_losses
 from tests.train.test_clip import _value_store, _write_imagefolder

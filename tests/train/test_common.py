@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapiddiff.train.common import AtomicCheckpointIO, RapidFSDPStrategy, ResumableSampler
+from rapiddiff.train.checkpoints import AtomicCheckpointIO
+from rapiddiff.train.data_order import ResumableSampler
+from rapiddiff.train.fsdp import RapidFSDPStrategy
 
 
 def test_checkpoint_write_is_atomic(tmp_path: Path) -> None:
@@ -71,7 +73,7 @@ def test_sigterm_broadcast_is_asked_every_n_steps_on_the_trainers_own_loop() -> 
 
     from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from rapiddiff.train.common import throttle_sigterm_broadcast
+    from rapiddiff.train.callbacks import throttle_sigterm_broadcast
 
     # The method this wraps must still exist in the installed Lightning (else the per-step sync is back).
     assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")

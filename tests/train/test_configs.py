@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rapiddiff.train import finetune, unet, upscaler, vae
-from rapiddiff.train.common import RapidCLI
 from rapiddiff.train.data import ImageTextData, PairedImageData
+from rapiddiff.train.lightning_cli import RapidCLI
 from tests.train.helpers import REPO
 
 STAGES = {

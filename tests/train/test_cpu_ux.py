@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rapiddiff.cli import main
-from rapiddiff.train import common
+from rapiddiff.train.data_order import auto_num_workers
+from rapiddiff.train.lightning_cli import auto_precision
 from tests.train.helpers import REPO, rapiddiff_log, write_imagefolder
 from tests.train.test_resume_and_weights import upscaler_args
 
@@ -32,16 +33,16 @@ def test_fine_tune_presets_leave_precision_and_workers_to_the_machine(path: Path
 
 def test_auto_precision_and_workers_follow_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert common.auto_precision("auto") == "32-true"
+    assert auto_precision("auto") == "32-true"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert common.auto_num_workers() == 1  # a 2-core CPU: one worker, one core for the step
+    assert auto_num_workers() == 1  # a 2-core CPU: one worker, one core for the step
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert common.auto_precision("auto") == "bf16-mixed"
-    assert common.auto_precision("cpu") == "32-true"
+    assert auto_precision("auto") == "bf16-mixed"
+    assert auto_precision("cpu") == "32-true"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert common.auto_num_workers() == 8
+    assert auto_num_workers() == 8
 
 
 def test_a_short_cpu_run_logs_its_loss_shows_progress_and_the_grid_cost(

@@ -9,6 +9,7 @@ import torch
 
 from rapiddiff.models.presets import write_tiny_sd_folder
 from rapiddiff.train import finetune
+from rapiddiff.train.unet_samples import base_upscaler
 from tests.train.helpers import REPO, trainer_args, write_imagefolder
 
 
@@ -112,4 +113,4 @@ def test_builtin_start_carries_its_upscaler_and_defaults_into_the_export() -> No
 
     module = finetune.FineTune(pretrained="builtin", mode="full", ema=None)
     assert module.hparams["pretrained"] == str(builtin_model_dir())
-    assert module._base_upscaler() is not None
+    assert base_upscaler(module) is not None

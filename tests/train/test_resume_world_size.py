@@ -213,7 +213,7 @@ def test_sampler_resumes_the_epoch_across_world_and_batch_size_changes(
     """The contract the slow test checks end to end, for more shapes: the examples seen before the
     checkpoint (all ranks) and after it (the new ranks) are each example of the epoch once, the next
     epoch is whole and new, and a checkpoint written after the switch resumes where it stopped."""
-    from rapiddiff.train.common import ResumableSampler
+    from rapiddiff.train.data_order import ResumableSampler
 
     def ranks(world: int, batch: int, done: int, state: dict | None = None) -> list[ResumableSampler]:
         samplers = [

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rapiddiff.train import unet as unet_stage
-from rapiddiff.train.common import NonFiniteLossError
+from rapiddiff.train.finite import NonFiniteLossError
+from rapiddiff.train.unet_data import encode_dataset
 from tests.train.helpers import read_losses, tiny_unet_args, write_imagefolder
 
 
@@ -299,7 +300,7 @@ def test_caption_dropout_and_latent_cache(data: Path) -> None:
     batch = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=2, shuffle=True)))
     torch.manual_seed(1)
     direct = module.encode_images(batch)
-    module._latents = module._encode_dataset(loader)  # what cache_latents does at train start
+    module._latents, module._filled = encode_dataset(module, loader)  # what cache_latents does at train start
     torch.manual_seed(1)
     cached = module.encode_images(batch)
     torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-5)
@@ -312,7 +313,9 @@ def test_cached_latents_stop_image_decoding_and_tokens_are_memoised(data: Path, 
     dm = ImageTextData(str(data), image_size=16, batch_size=2, num_workers=0)
     dm.setup("fit")
     dataset = dm.train_set
-    module._latents = module._encode_dataset(torch.utils.data.DataLoader(dataset, batch_size=3))
+    module._latents, module._filled = encode_dataset(
+        module, torch.utils.data.DataLoader(dataset, batch_size=3)
+    )
     dataset.decode_images = False  # what on_train_start does once the cache is filled
     item = dataset[1]
     assert "pixel_values" not in item and item["index"] == dataset.indices[1]

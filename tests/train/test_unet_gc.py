@@ -9,8 +9,8 @@ import pytest
 import pytorch_lightning as pl
 
 from rapiddiff.train import unet as unet_stage
-from rapiddiff.train.common import NonFiniteLossError
 from rapiddiff.train.data import ImageTextData
+from rapiddiff.train.finite import NonFiniteLossError
 from tests.train.helpers import PoisonWeights, write_imagefolder
 
 

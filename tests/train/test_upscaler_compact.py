@@ -107,8 +107,8 @@ def test_network_options_per_architecture() -> None:
 def test_validation_at_step_0_is_bicubic_only_with_the_bicubic_base(tmp_path: Path, base: str) -> None:
     # The stage's own validation: with the bicubic base an untrained net scores exactly bicubic's
     # PSNR (val/psnr_gain 0), with nearest it starts below it on these smooth pairs.
-    from rapiddiff.train.common import psnr
     from rapiddiff.train.data import PairedImageDataset
+    from rapiddiff.train.optim import psnr
 
     lr_dir, hr_dir = write_pairs(tmp_path / "pairs", n=2)
     pairs = PairedImageDataset(lr_dir, hr_dir, flips=False)
