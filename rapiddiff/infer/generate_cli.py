@@ -20,7 +20,7 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 EPILOG = """examples:
-  rapiddiff generate "蓝色背景上有一个番茄"
+  rapiddiff generate "浅蓝色背景上有一个番茄"
   rapiddiff generate "一只熊猫" --model runs/kshapes-model --num-images 4 --seed 7 --out out/
   rapiddiff generate --prompts prompts.txt --scheduler dpm++ --steps 25 --no-upscale
   rapiddiff generate --from-png out/00001-7.png          # the same image again
