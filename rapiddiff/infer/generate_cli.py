@@ -259,6 +259,26 @@ def _next_index(folder: Path) -> int:
     return max(numbers, default=0) + 1
 
 
+def _init_settings(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """The img2img / inpainting flags into ``kwargs`` (over the PNG's), each checked for its init image."""
+    if args.init_image:
+        kwargs["init_image"] = args.init_image
+        kwargs.pop("mask_image", None)  # a new init image: the PNG's mask belongs to the old one
+    if args.mask:
+        kwargs["mask_image"] = args.mask
+    if args.strength is not None:
+        kwargs["strength"] = args.strength
+    if args.keep_init_size:
+        kwargs["init_size"] = "keep"
+    for key, flag in (
+        ("mask_image", "--mask"),
+        ("strength", "--strength"),
+        ("init_size", "--keep-init-size"),
+    ):
+        if key in kwargs and "init_image" not in kwargs:
+            raise ValueError(f"{flag} needs --init-image (img2img or inpainting: the image to start from)")
+
+
 def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str | None]:
     """Prompts, pipeline kwargs, and the model folder from the PNG (if --from-png)."""
     from rapiddiff.infer.pipeline import canonical_scheduler_name
@@ -296,21 +316,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.size:
         kwargs["height"], kwargs["width"] = args.size
-    if args.init_image:
-        kwargs["init_image"] = args.init_image
-        kwargs.pop("mask_image", None)  # a new init image: the PNG's mask belongs to the old one
-    if args.mask:
-        kwargs["mask_image"] = args.mask
-    if args.strength is not None:
-        kwargs["strength"] = args.strength
-    if args.keep_init_size:
-        if "init_image" not in kwargs:
-            raise ValueError("--keep-init-size needs --init-image")
-        kwargs["init_size"] = "keep"
-    if "mask_image" in kwargs and "init_image" not in kwargs:
-        raise ValueError("--mask needs --init-image (the image whose masked part is repainted)")
-    if "strength" in kwargs and "init_image" not in kwargs:
-        raise ValueError("--strength needs --init-image (img2img or inpainting)")
+    _init_settings(args, kwargs)
     if args.knowledge:
         kwargs["knowledge"] = args.knowledge
     if args.no_knowledge:

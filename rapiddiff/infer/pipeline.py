@@ -595,6 +595,7 @@ class RapidDiffusionPipeline:
             token_merge=token_merge,
         )
         latents, images = self.denoise(job, decode=output_type != "latent")
+        images = keep_unmasked(images, init_pixels, mask_pixels)
         times["denoise_decode"] = time.perf_counter() - t0
         latents = latents.float()
         if output_type == "latent":
@@ -723,6 +724,22 @@ def eager_denoise(
 
     with torch.inference_mode():
         return job.run(sampling.unet_model(pipe.unet), pipe.vae, decode=decode, unet=pipe.unet)
+
+
+def keep_unmasked(
+    images: torch.Tensor | None, init: torch.Tensor | None, mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Inpainting: the init image's own pixels where the mask keeps them. The latent blend at each
+    step keeps the known region only up to the VAE's round trip, which shifts flat colours visibly;
+    diffusers pastes the original back the same way (``VaeImageProcessor.apply_overlay``).
+
+    ``images`` [N, 3, H, W] in [0, 1]; ``init`` [1, 3, H, W] in [-1, 1]; ``mask`` [1, 1, H, W], 1 = repaint.
+    """
+    if images is None or mask is None or init is None:
+        return images
+    init = (init.to(images.device, images.dtype) / 2 + 0.5).clamp(0, 1)
+    mask = mask.to(images.device, images.dtype)
+    return images * mask + init * (1 - mask)
 
 
 def _source(value: Any, what: str, mode: str) -> _Source:
