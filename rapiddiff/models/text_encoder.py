@@ -36,6 +36,7 @@ from torch import nn
 from rapiddiff.kg.normalize import to_simplified
 from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
+from rapiddiff.models.weights import explained
 from rapiddiff.utils.config import ConfigError, did_you_mean
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
 from rapiddiff.utils.logging import get_logger
@@ -602,7 +603,8 @@ class KnowledgeTextEncoder(nn.Module):
             raise ValueError(
                 f"{path}: not a ChineseCLIPModel folder (config.json model_type must be chinese_clip)"
             )
-        model = ChineseCLIPModel.from_pretrained(str(path))
+        with explained(path, "Chinese-CLIP folder"):  # a pickle or a truncated file: named, with the reason
+            model = ChineseCLIPModel.from_pretrained(str(path))
         # Chinese-CLIP masks padding (cn_clip: attention_mask = text != pad); keep its behaviour.
         kwargs.setdefault("use_attention_mask", True)
         encoder = cls(model.text_model, load_tokenizer(path), store, **kwargs)
@@ -646,7 +648,10 @@ def load_text_model(text_dir: Path) -> PreTrainedModel:
     kwargs = {} if name == "CLIPTextModel" else {"add_pooling_layer": False}  # the pooler is never used
     cls = getattr(import_module(_TEXT_MODEL_MODULES[name], defer=["transformers.models"]), name)
     model = _load_own_weights(cls, text_dir, kwargs) if name == "BertModel" else None
-    return model if model is not None else cls.from_pretrained(str(text_dir), **kwargs)
+    if model is not None:
+        return model
+    with explained(text_dir, "text encoder"):
+        return cls.from_pretrained(str(text_dir), **kwargs)
 
 
 def _load_own_weights(cls: Any, text_dir: Path, kwargs: dict[str, Any]) -> PreTrainedModel | None:

@@ -16,9 +16,11 @@ loader has failed (it returns the error to show, or None when the file itself is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from rapiddiff.utils.io import UnsafeCheckpointError
@@ -88,6 +90,25 @@ def diagnose(path: str | Path, label: str | None = None) -> Exception | None:
     except ValueError:
         return None
     return None
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+@contextlib.contextmanager
+def explained(path: str | Path, label: str) -> Iterator[None]:
+    """Run a library's loader on ``path`` (a weights file or a folder of them); where it fails
+    because a file is truncated or a pickle that would run code, raise that, naming the file."""
+    try:
+        yield
+    except Exception as err:  # transformers / diffusers raise many types for a bad file
+        path = Path(path)
+        files = sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES) if path.is_dir() else [path]
+        for file in files:
+            reason = diagnose(file, f"{label}: {file}")
+            if reason is not None:
+                raise reason from err
+        raise
 
 
 def is_unsafe_pickle_error(err: BaseException) -> bool:
