@@ -778,7 +778,14 @@ def _knowledge_setting(encoder: Any, knowledge: bool | str | None) -> tuple[bool
         return False, mode
     from rapiddiff.models.expansion import check_mode
 
-    return True, check_mode(knowledge)
+    mode = check_mode(knowledge)
+    if getattr(encoder, "store", None) is None:
+        log.warning(
+            "knowledge %r asked for, but this model has no knowledge graph (no knowledge/ folder): "
+            "its plain text encoder is used",
+            mode,
+        )
+    return True, mode
 
 
 def _knowledge_as(encoder: Any, knowledge: bool | str | None) -> Any:
