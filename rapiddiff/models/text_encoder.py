@@ -26,7 +26,7 @@ import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -645,13 +645,36 @@ def load_text_model(text_dir: Path) -> PreTrainedModel:
             f"{text_dir}/config.json: model_type {model_type!r} is not a supported text tower; "
             f"supported: {', '.join(sorted(_TEXT_MODEL_CLASSES))}"
         )
-    kwargs = {} if name == "CLIPTextModel" else {"add_pooling_layer": False}  # the pooler is never used
     cls = getattr(import_module(_TEXT_MODEL_MODULES[name], defer=["transformers.models"]), name)
+    if name == "CLIPTextModel":
+        with explained(text_dir, "text encoder"):
+            return cls.from_pretrained(str(text_dir))
+    # The pooler is never used. A checkpoint that has one (Taiyi's) loads it, so transformers reports
+    # no UNEXPECTED pooler keys (real mismatches are still reported), and it is dropped after.
+    kwargs = {"add_pooling_layer": _has_pooler(text_dir)}
     model = _load_own_weights(cls, text_dir, kwargs) if name == "BertModel" else None
-    if model is not None:
-        return model
-    with explained(text_dir, "text encoder"):
-        return cls.from_pretrained(str(text_dir), **kwargs)
+    if model is None:
+        with explained(text_dir, "text encoder"):
+            model = cls.from_pretrained(str(text_dir), **kwargs)
+    model.pooler = None
+    return model
+
+
+def _has_pooler(text_dir: Path) -> bool:
+    """Whether the folder's weights hold a pooler (read from the safetensors header or index only)."""
+    index = text_dir / "model.safetensors.index.json"
+    if index.is_file():
+        keys: Iterable[str] = json.loads(index.read_text("utf-8")).get("weight_map", {})
+    elif (text_dir / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(text_dir / "model.safetensors"), "pt") as handle:
+            keys = list(handle.keys())
+    else:
+        return (
+            True  # a pytorch_model.bin: BERT checkpoints (Taiyi's) ship the pooler they were pretrained with
+        )
+    return any("pooler" in key.split(".") for key in keys)
 
 
 def _load_own_weights(cls: Any, text_dir: Path, kwargs: dict[str, Any]) -> PreTrainedModel | None:
