@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from rapiddiff.utils.io import UnsafeCheckpointError
+from rapiddiff.utils.io import UnsafeCheckpointError, torch_load_tensors
 
 PICKLE_FIX = (
     "rapiddiff loads only tensors (safetensors, or torch files that hold nothing but tensors), so "
@@ -146,10 +146,8 @@ def _check_safetensors(path: Path, size: int, label: str) -> None:
 def _check_pickle(path: Path, label: str) -> None:
     import pickle
 
-    import torch
-
     try:
-        torch.load(str(path), map_location="cpu", weights_only=True, mmap=False)
+        torch_load_tensors(path, map_location="cpu", mmap=False)
     except pickle.UnpicklingError as err:
         if not is_unsafe_pickle_error(err):
             raise ValueError(f"{label}: not a readable torch file ({err})") from err

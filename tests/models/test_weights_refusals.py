@@ -43,3 +43,18 @@ def test_a_pickle_in_a_chinese_clip_folder_is_refused_with_the_reason(tmp_path, 
     with pytest.raises(UnsafeCheckpointError, match=rf"Chinese-CLIP folder: {evil}: refused: .*safetensors"):
         KnowledgeCLIP.from_pretrained(folder)
     assert "code ran" not in capsys.readouterr().out
+
+
+def test_checking_a_protocol_4_pickle_gives_no_torch_warning(tmp_path):
+    """torch's restricted unpickler warns "Detected pickle protocol 4" before it refuses such a file;
+    the refusal is ours to say (named, with the reason), without torch's noise before it."""
+    import warnings
+
+    from rapiddiff.models.weights import check_weights_file
+
+    file = tmp_path / "weights.pth"
+    torch.save({"w": torch.ones(2)}, file, pickle_protocol=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        with pytest.raises(UnsafeCheckpointError, match=rf"{file}: refused"):
+            check_weights_file(file)
