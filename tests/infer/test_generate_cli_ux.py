@@ -5,6 +5,7 @@ knowledge mode."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
@@ -12,6 +13,15 @@ from rapiddiff.cli import build_parser, main
 from rapiddiff.infer.generate_cli import parse_size
 from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 from tests.infer.test_generate_cli import FAST
+
+
+@pytest.fixture
+def logs(caplog):
+    """caplog, also fed by the rapiddiff logger, which setup_logging keeps from propagating to the root."""
+    logger = logging.getLogger("rapiddiff")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
 
 
 def test_size_is_width_first():
@@ -23,14 +33,14 @@ def test_size_is_width_first():
 
 @pytest.mark.parametrize(("times", "fast_used"), [(1, False), (2, True)])
 def test_fast_on_a_cpu_warns_and_runs_eager_unless_given_twice(
-    tiny_model, tmp_path, monkeypatch, capsys, times, fast_used
+    tiny_model, tmp_path, monkeypatch, logs, times, fast_used
 ):
     calls = []
     monkeypatch.setattr(RapidDiffusionPipeline, "enable_fast", lambda self, **kw: calls.append(kw) or self)
     args = ["generate", "x", "--model", str(tiny_model), "--out", str(tmp_path), *FAST]
     assert main([*args, *["--fast"] * times]) == 0
     assert bool(calls) is fast_used
-    assert ("--fast on a CPU" in capsys.readouterr().err) is not fast_used
+    assert ("--fast on a CPU" in logs.text) is not fast_used
 
 
 def test_a_file_as_model_is_named_a_file(tiny_model, tmp_path, capsys):
@@ -53,7 +63,7 @@ def test_help_names_the_models_own_knowledge_mode(monkeypatch):
     assert "Default: the model's own mode" in text and "the built-in model's: both" in text
 
 
-def test_a_knowledge_mode_on_a_model_without_a_kg_is_warned_about(tiny_model, tmp_path, capsys):
+def test_a_knowledge_mode_on_a_model_without_a_kg_is_warned_about(tiny_model, tmp_path, logs):
     args = ["generate", "x", "--model", str(tiny_model), "--out", str(tmp_path), *FAST]
     assert main([*args, "--knowledge", "both"]) == 0
-    assert "knowledge 'both' asked for, but this model has no knowledge graph" in capsys.readouterr().err
+    assert "knowledge 'both' asked for, but this model has no knowledge graph" in logs.text

@@ -12,19 +12,28 @@ from PIL import Image
 GEN = {"num_inference_steps": 2, "seed": 1, "output_type": "np", "progress": False}
 
 
+@pytest.fixture
+def logs(caplog):
+    """caplog, also fed by the rapiddiff logger, which setup_logging keeps from propagating to the root."""
+    logger = logging.getLogger("rapiddiff")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
 def _init(tmp_path, width: int, height: int):
     path = tmp_path / f"init-{width}x{height}.png"
     Image.new("RGB", (width, height), (170, 200, 235)).save(path)
     return path
 
 
-def test_a_larger_init_image_is_resized_to_the_models_size(tiny_pipe, tmp_path, caplog):
+def test_a_larger_init_image_is_resized_to_the_models_size(tiny_pipe, tmp_path, logs):
     side = tiny_pipe.default_size
-    with caplog.at_level(logging.INFO, logger="rapiddiff"):
+    with logs.at_level(logging.INFO, logger="rapiddiff"):
         out = tiny_pipe("一个番茄", init_image=_init(tmp_path, 4 * side, 4 * side), **GEN)
     assert out.images.shape[1:3] == (side, side)
     assert (out.metadata[0]["height"], out.metadata[0]["width"]) == (side, side)
-    assert f"init image {4 * side}x{4 * side} resized to {side}x{side}" in caplog.text
+    assert f"init image {4 * side}x{4 * side} resized to {side}x{side}" in logs.text
 
 
 def test_the_aspect_is_kept_with_the_longer_side_the_models(tiny_pipe, tmp_path):
