@@ -8,8 +8,10 @@ with ``register(parser)``, which adds the command's arguments (or its own subcom
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+from typing import Any
 
 from rapiddiff import __version__
 from rapiddiff.utils.logging import setup_logging
@@ -49,8 +51,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped subcommand or choice (Python 3.14's
+    ``suggest_on_error``, which this Python lacks). Subcommand parsers inherit the class."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; choose from {choices}")
+        super()._check_value(action, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="rapiddiff",
         description="Chinese knowledge-enhanced text-to-image: knowledge graph → CLIP → latent diffusion → ESRGAN.",
     )

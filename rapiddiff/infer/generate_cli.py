@@ -21,7 +21,7 @@ log = get_logger(__name__)
 _LIBRARY = SamplingDefaults()  # the fallback when a model folder names no sampling defaults
 
 EPILOG = """examples:
-  rapiddiff generate "蓝色背景上有一个番茄"
+  rapiddiff generate "浅蓝色背景上有一个番茄"
   rapiddiff generate "一只熊猫" --model runs/kshapes-model --num-images 4 --seed 7 --out out/
   rapiddiff generate --prompts prompts.txt --scheduler dpm++ --steps 25 --no-upscale
   rapiddiff generate --from-png out/00001-7.png          # the same image again
@@ -45,6 +45,18 @@ def default_model_dir() -> Path:
     return builtin_model_dir()
 
 
+def default_knowledge_mode() -> str | None:
+    """The knowledge mode the default model was saved with (None where it says none), for --help."""
+    import json
+
+    settings = default_model_dir() / "text_encoder" / "rapiddiff_encoder.json"
+    try:
+        mode = json.loads(settings.read_text("utf-8")).get("knowledge_mode")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return mode if isinstance(mode, str) else None
+
+
 def resolve_model_dir(model: str | None) -> Path:
     if model:
         return Path(model)
@@ -59,12 +71,14 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """ "HxW" or "N" (square) → (height, width)."""
+    """ "WxH" (width first, as the OpenAI images API's "WIDTHxHEIGHT") or "N" (square) → (height, width)."""
     match = re.fullmatch(r"\s*(\d+)\s*(?:[xX×*]\s*(\d+))?\s*", text)
     if not match:
-        raise argparse.ArgumentTypeError(f"size '{text}': use HxW (e.g. 128x128) or N for N×N")
-    height = int(match.group(1))
-    width = int(match.group(2)) if match.group(2) else height
+        raise argparse.ArgumentTypeError(
+            f"size '{text}': use WIDTHxHEIGHT (e.g. 192x128: 192 wide, 128 high) or N for N×N"
+        )
+    width = int(match.group(1))
+    height = int(match.group(2)) if match.group(2) else width
     if height <= 0 or width <= 0:
         raise argparse.ArgumentTypeError(f"size '{text}': sides must be positive")
     return height, width
@@ -99,7 +113,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-images", type=int, default=1, help="images per prompt (default 1)")
     parser.add_argument("--batch-size", type=int, default=4, help="images sampled at once (default 4)")
     parser.add_argument(
-        "--size", type=parse_size, metavar="HxW|N", help="image size before upscaling (default: the model's)"
+        "--size",
+        type=parse_size,
+        metavar="WxH|N",
+        help="image size before upscaling, width first as in the OpenAI images API (192x128: 192 wide, "
+        "128 high), or N for N×N (default: the model's)",
     )
     parser.add_argument(
         "--scheduler", help=f"sampler: pndm, ddim or dpm++ (default: the model's, else {_LIBRARY.scheduler})"
@@ -118,7 +136,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init-image",
         metavar="FILE",
-        help="img2img / inpainting: the image to start from (its size by default)",
+        help="img2img / inpainting: the image to start from; resized to the model's size (its longer "
+        "side the model's, its aspect kept) unless --size or --keep-init-size is given",
+    )
+    parser.add_argument(
+        "--keep-init-size",
+        action="store_true",
+        help="with --init-image: sample at the init image's own size (its sides must be multiples of "
+        "the model's size multiple; a larger size than the model was trained at draws worse and slower)",
     )
     parser.add_argument(
         "--strength",
@@ -139,7 +164,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="auto (fp16 on CUDA, fp32 on CPU), float32, float16 or bfloat16"
     )
     parser.add_argument(
-        "--fast", action="store_true", help="use the accelerated inference path (rapiddiff.infer.accelerate)"
+        "--fast",
+        action="count",
+        default=0,
+        help="use the accelerated inference path (rapiddiff.infer.accelerate) on a GPU. On a CPU it is "
+        "slower than eager (compile time, no CUDA graphs), so --fast there warns and runs eager; give "
+        "it twice (--fast --fast) to use it anyway",
     )
     parser.add_argument(
         "--aoti",
@@ -169,8 +199,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knowledge",
         choices=["embed", "text", "both", "off"],
-        help="how KG knowledge enters: embed (fused TransE vectors, the default), text (the entities' "
-        "facts spelled into the prompt), both, or off (= --no-knowledge)",
+        help="how KG knowledge enters: embed (fused TransE vectors), text (the entities' facts spelled "
+        "into the prompt), both, or off (= --no-knowledge). Default: the model's own mode (saved in its "
+        f"text_encoder/rapiddiff_encoder.json; the built-in model's: {default_knowledge_mode() or 'embed'})",
     )
     parser.add_argument(
         "--no-grid", action="store_true", help="do not write a grid image when several images are made"
@@ -236,6 +267,26 @@ def _next_index(folder: Path) -> int:
     return max(numbers, default=0) + 1
 
 
+def _init_settings(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """The img2img / inpainting flags into ``kwargs`` (over the PNG's), each checked for its init image."""
+    if args.init_image:
+        kwargs["init_image"] = args.init_image
+        kwargs.pop("mask_image", None)  # a new init image: the PNG's mask belongs to the old one
+    if args.mask:
+        kwargs["mask_image"] = args.mask
+    if args.strength is not None:
+        kwargs["strength"] = args.strength
+    if args.keep_init_size:
+        kwargs["init_size"] = "keep"
+    for key, flag in (
+        ("mask_image", "--mask"),
+        ("strength", "--strength"),
+        ("init_size", "--keep-init-size"),
+    ):
+        if key in kwargs and "init_image" not in kwargs:
+            raise ValueError(f"{flag} needs --init-image (img2img or inpainting: the image to start from)")
+
+
 def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str | None]:
     """Prompts, pipeline kwargs, and the model folder from the PNG (if --from-png)."""
     from rapiddiff.infer.pipeline import canonical_scheduler_name
@@ -257,7 +308,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.size:
         kwargs["height"], kwargs["width"] = args.size
-    _image_inputs(args, kwargs)
+    _init_settings(args, kwargs)
     _knowledge_and_approximations(args, kwargs)
     if "scheduler" in kwargs:  # bad names fail before loading
         kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
@@ -285,21 +336,6 @@ def _from_png(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     return prompts, kwargs, meta.get("model_path")
 
 
-def _image_inputs(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
-    """--init-image, --mask and --strength into ``kwargs``, checked against each other."""
-    if args.init_image:
-        kwargs["init_image"] = args.init_image
-        kwargs.pop("mask_image", None)  # a new init image: the PNG's mask belongs to the old one
-    if args.mask:
-        kwargs["mask_image"] = args.mask
-    if args.strength is not None:
-        kwargs["strength"] = args.strength
-    if "mask_image" in kwargs and "init_image" not in kwargs:
-        raise ValueError("--mask needs --init-image (the image whose masked part is repainted)")
-    if "strength" in kwargs and "init_image" not in kwargs:
-        raise ValueError("--strength needs --init-image (img2img or inpainting)")
-
-
 def _knowledge_and_approximations(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
     """--knowledge / --no-knowledge, --deep-cache and --token-merge into ``kwargs``, checked."""
     if args.knowledge:
@@ -314,6 +350,19 @@ def _knowledge_and_approximations(args: argparse.Namespace, kwargs: dict[str, An
         from rapiddiff.models.token_merge import check_ratio
 
         kwargs["token_merge"] = check_ratio(args.token_merge, "--token-merge")
+
+
+def use_fast_path(times_asked: int, device: Any) -> bool:
+    """Whether ``--fast`` (given ``times_asked`` times) runs the fast path on ``device``. On a CPU it is
+    many times slower than eager (compiling, no CUDA graphs to amortise it): once warns and runs
+    eager, twice insists."""
+    if not times_asked or device.type != "cpu" or times_asked > 1:
+        return bool(times_asked)
+    log.warning(
+        "--fast on a CPU: the fast path is slower than eager there (compile time, no CUDA graphs), so "
+        "the eager path runs; give --fast twice to use it anyway"
+    )
+    return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -332,7 +381,8 @@ def run(args: argparse.Namespace) -> int:
         model_dir = resolve_model_dir(args.model)
     if args.aoti and not args.fast:
         raise ValueError("--aoti needs --fast (the packages replace the fast path's torch.compile)")
-    if args.fast and importlib.util.find_spec("rapiddiff.infer.accelerate") is None:
+    fast = use_fast_path(args.fast, device)
+    if fast and importlib.util.find_spec("rapiddiff.infer.accelerate") is None:
         raise RuntimeError(
             "--fast: the accelerated path (rapiddiff.infer.accelerate) is not available in this installation"
         )
@@ -353,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for path, scale in loras:  # before the fast path: LoRAs merge into the weights it transforms
         pipe.load_lora(path, scale=scale)
-    if args.fast:
+    if fast:
         from rapiddiff.infer.accelerate import accelerate
 
         accelerate(pipe, **({"aoti": args.aoti} if args.aoti else {}))

@@ -362,6 +362,7 @@ class RapidDiffusionPipeline:
         deep_cache: int = 1,
         guidance_rescale: float | None = None,
         token_merge: float = 0.0,
+        init_size: Literal["model", "keep"] = "model",
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
@@ -376,8 +377,9 @@ class RapidDiffusionPipeline:
 
         img2img: ``init_image`` (a path or PIL image) and ``strength`` (default 0.8: how far down
         the schedule the image is noised). Inpainting: also ``mask_image`` (white = repaint;
-        ``strength`` default 1.0). Without ``height``/``width`` the init image's size is used
-        (rounded down to the model's size multiple); the image is resized to the size given.
+        ``strength`` default 1.0). Without ``height``/``width`` the init image is resized to the
+        model's size (its longer side the model's, its aspect kept; logged) — ``init_size="keep"``
+        samples at its own size instead, which must be a multiple of :attr:`size_multiple`.
 
         ``deep_cache=N`` (opt-in, approximate): the whole U-Net runs every N evaluations and the
         steps between reuse its deep features (DeepCache, :mod:`rapiddiff.models.deep_cache`);
@@ -414,10 +416,7 @@ class RapidDiffusionPipeline:
         mask = _source(mask_image, "mask_image", "L") if mask_image is not None else None
         if init is not None:
             strength = (1.0 if mask is not None else 0.8) if strength is None else float(strength)
-            if height is None and width is None:
-                m = self.size_multiple
-                w0, h0 = init.image.size
-                height, width = max(m, h0 // m * m), max(m, w0 // m * m)
+            height, width = self._size_for_init(init.image.size, height, width, init_size)
         height = height or self.default_size
         width = width or self.default_size
         check_size(height, width, self.size_multiple)
@@ -473,6 +472,7 @@ class RapidDiffusionPipeline:
             token_merge=token_merge,
         )
         latents, images = self.denoise(job, decode=output_type != "latent")
+        images = keep_unmasked(images, init_pixels, mask_pixels)
         times["denoise_decode"] = time.perf_counter() - t0
         latents = latents.float()
         if output_type == "latent":
@@ -519,6 +519,33 @@ class RapidDiffusionPipeline:
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"unknown output_type '{output_type}'; choose pil, np, pt or latent")
         return token_merge
+
+    def _size_for_init(
+        self, size: tuple[int, int], height: int | None, width: int | None, init_size: str
+    ) -> tuple[int | None, int | None]:
+        """(height, width) to sample an init image of ``size`` (W, H) at, where none was given: the
+        model's size by default (a model samples badly, and slowly, far from the size it learnt)."""
+        if height is not None or width is not None:
+            return height, width
+        w0, h0 = size
+        if init_size == "keep":
+            try:
+                check_size(h0, w0, self.size_multiple)
+            except ValueError as err:
+                raise ValueError(f"init image {w0}x{h0} kept at its size: {err}") from err
+            return h0, w0
+        if init_size != "model":
+            raise ValueError(f"init_size must be 'model' or 'keep', got {init_size!r}")
+        side, m = self.default_size, self.size_multiple
+        scale = side / max(w0, h0)
+        height, width = max(m, round(h0 * scale / m) * m), max(m, round(w0 * scale / m) * m)
+        if (width, height) != (w0, h0):
+            log.info(
+                "init image %dx%d resized to %dx%d (WxH), the model's size; give a size or keep its own "
+                "(--keep-init-size, init_size='keep')",
+                w0, h0, width, height,
+            )  # fmt: skip
+        return height, width
 
     def _settings(
         self,
@@ -610,6 +637,22 @@ def eager_denoise(
         return job.run(sampling.unet_model(pipe.unet), pipe.vae, decode=decode, unet=pipe.unet)
 
 
+def keep_unmasked(
+    images: torch.Tensor | None, init: torch.Tensor | None, mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Inpainting: the init image's own pixels where the mask keeps them. The latent blend at each
+    step keeps the known region only up to the VAE's round trip, which shifts flat colours visibly;
+    diffusers pastes the original back the same way (``VaeImageProcessor.apply_overlay``).
+
+    ``images`` [N, 3, H, W] in [0, 1]; ``init`` [1, 3, H, W] in [-1, 1]; ``mask`` [1, 1, H, W], 1 = repaint.
+    """
+    if images is None or mask is None or init is None:
+        return images
+    init = (init.to(images.device, images.dtype) / 2 + 0.5).clamp(0, 1)
+    mask = mask.to(images.device, images.dtype)
+    return images * mask + init * (1 - mask)
+
+
 def _source(value: Any, what: str, mode: str) -> _Source:
     """An init image or mask from a path or a PIL image, with its provenance."""
     from PIL import Image, UnidentifiedImageError
@@ -646,7 +689,14 @@ def _knowledge_setting(encoder: Any, knowledge: bool | str | None) -> tuple[bool
         return False, mode
     from rapiddiff.models.expansion import check_mode
 
-    return True, check_mode(knowledge)
+    mode = check_mode(knowledge)
+    if getattr(encoder, "store", None) is None:
+        log.warning(
+            "knowledge %r asked for, but this model has no knowledge graph (no knowledge/ folder): "
+            "its plain text encoder is used",
+            mode,
+        )
+    return True, mode
 
 
 def _knowledge_as(encoder: Any, knowledge: bool | str | None) -> Any:

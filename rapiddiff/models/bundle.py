@@ -120,6 +120,17 @@ def builtin_model_dir() -> Path:
     return Path(rapiddiff.__file__).parent / "assets" / "model"
 
 
+def check_model_folder(path: Path) -> None:
+    """A model folder must be a folder: a weights file given for one is named as such."""
+    if path.is_file():
+        raise ValueError(
+            f"{path} is a file, but a model folder is expected (model_index.json, unet/, vae/, "
+            "text_encoder/, ...); LoRA weights go to --lora, upscaler weights to --upscaler"
+        )
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {path}")
+
+
 def check_parts(
     unet: nn.Module, vae: nn.Module, text_encoder: KnowledgeTextEncoder, *, where: str = ""
 ) -> None:
@@ -156,8 +167,7 @@ def load_model_folder(
     import torch
 
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder not found: {path}")
+    check_model_folder(path)
     from rapiddiff.models.lora import is_lora_folder, read_info
 
     if is_lora_folder(path):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+from rapiddiff.models.weights import explained
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
 
 IMAGE_TOWERS = ("chinese_clip", "resnet18", "resnet10")
@@ -94,7 +95,8 @@ class ImageTower(nn.Module):
         if name == "chinese_clip":
             from transformers import ChineseCLIPVisionModel
 
-            return cls(name, module=ChineseCLIPVisionModel.from_pretrained(str(folder)))
+            with explained(folder, "image tower"):
+                return cls(name, module=ChineseCLIPVisionModel.from_pretrained(str(folder)))
         tower = cls(name)
         tower.net.load_state_dict(load_weights(folder / "model.safetensors"))
         return tower
@@ -228,7 +230,8 @@ class KnowledgeCLIP(nn.Module):
             raise ValueError(
                 f"{path}: not a ChineseCLIPModel folder (config.json model_type must be chinese_clip)"
             )
-        full = ChineseCLIPModel.from_pretrained(str(path))
+        with explained(path, "Chinese-CLIP folder"):  # a pickle or a truncated file: named, with the reason
+            full = ChineseCLIPModel.from_pretrained(str(path))
         text_kwargs.setdefault("use_attention_mask", True)  # as Chinese-CLIP encodes text
         text = KnowledgeTextEncoder(full.text_model, load_tokenizer(path), store, **text_kwargs)
         mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD

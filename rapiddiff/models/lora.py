@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.models.weights import TruncatedWeightsError, explained
+from rapiddiff.utils.io import UnsafeCheckpointError
 from rapiddiff.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -124,7 +126,10 @@ def _diffusers_state(file: Path) -> tuple[dict[str, Any], dict[str, float]]:
     from diffusers import StableDiffusionPipeline
 
     try:
-        state, alphas = StableDiffusionPipeline.lora_state_dict(str(file.parent), weight_name=file.name)
+        with explained(file, "--lora"):  # a pickle or a cut-short file: said so, not diffusers' words
+            state, alphas = StableDiffusionPipeline.lora_state_dict(str(file.parent), weight_name=file.name)
+    except (UnsafeCheckpointError, TruncatedWeightsError):
+        raise
     except Exception as err:  # diffusers raises many types for files it cannot read
         raise ValueError(f"{file}: not a LoRA file diffusers can read ({err})") from err
     return dict(state), {k: float(v) for k, v in (alphas or {}).items()}

@@ -188,7 +188,7 @@ def check_size(height: int, width: int, multiple: int) -> None:
         upper = lower if lower >= value else lower + multiple
         hints.append(f"{side} {value} → nearest valid: {' or '.join(map(str, sorted({lower, upper})))}")
     raise ValueError(
-        f"image size {height}x{width} does not fit the model: sides must be multiples of {multiple} "
+        f"image size {width}x{height} (WxH) does not fit the model: sides must be multiples of {multiple} "
         f"(VAE factor × U-Net downsampling); {'; '.join(hints)}"
     )
 

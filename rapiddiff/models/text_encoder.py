@@ -26,7 +26,7 @@ import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from torch import nn
 from rapiddiff.kg.normalize import to_simplified
 from rapiddiff.models.expansion import PromptExpander, check_mode
 from rapiddiff.models.fusion import FusionConfig, KnowledgeFusion
+from rapiddiff.models.weights import explained
 from rapiddiff.utils.config import ConfigError, did_you_mean
 from rapiddiff.utils.io import atomic_write_text, load_weights, save_safetensors
 from rapiddiff.utils.logging import get_logger
@@ -601,7 +602,8 @@ class KnowledgeTextEncoder(nn.Module):
             raise ValueError(
                 f"{path}: not a ChineseCLIPModel folder (config.json model_type must be chinese_clip)"
             )
-        model = ChineseCLIPModel.from_pretrained(str(path))
+        with explained(path, "Chinese-CLIP folder"):  # a pickle or a truncated file: named, with the reason
+            model = ChineseCLIPModel.from_pretrained(str(path))
         # Chinese-CLIP masks padding (cn_clip: attention_mask = text != pad); keep its behaviour.
         kwargs.setdefault("use_attention_mask", True)
         encoder = cls(model.text_model, load_tokenizer(path), store, **kwargs)
@@ -642,10 +644,36 @@ def load_text_model(text_dir: Path) -> PreTrainedModel:
             f"{text_dir}/config.json: model_type {model_type!r} is not a supported text tower; "
             f"supported: {', '.join(sorted(_TEXT_MODEL_CLASSES))}"
         )
-    kwargs = {} if name == "CLIPTextModel" else {"add_pooling_layer": False}  # the pooler is never used
     cls = getattr(import_module(_TEXT_MODEL_MODULES[name], defer=["transformers.models"]), name)
+    if name == "CLIPTextModel":
+        with explained(text_dir, "text encoder"):
+            return cls.from_pretrained(str(text_dir))
+    # The pooler is never used. A checkpoint that has one (Taiyi's) loads it, so transformers reports
+    # no UNEXPECTED pooler keys (real mismatches are still reported), and it is dropped after.
+    kwargs = {"add_pooling_layer": _has_pooler(text_dir)}
     model = _load_own_weights(cls, text_dir, kwargs) if name == "BertModel" else None
-    return model if model is not None else cls.from_pretrained(str(text_dir), **kwargs)
+    if model is None:
+        with explained(text_dir, "text encoder"):
+            model = cls.from_pretrained(str(text_dir), **kwargs)
+    model.pooler = None
+    return model
+
+
+def _has_pooler(text_dir: Path) -> bool:
+    """Whether the folder's weights hold a pooler (read from the safetensors header or index only)."""
+    index = text_dir / "model.safetensors.index.json"
+    if index.is_file():
+        keys: Iterable[str] = json.loads(index.read_text("utf-8")).get("weight_map", {})
+    elif (text_dir / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(text_dir / "model.safetensors"), "pt") as handle:
+            keys = list(handle.keys())
+    else:
+        return (
+            True  # a pytorch_model.bin: BERT checkpoints (Taiyi's) ship the pooler they were pretrained with
+        )
+    return any("pooler" in key.split(".") for key in keys)
 
 
 def _load_own_weights(cls: Any, text_dir: Path, kwargs: dict[str, Any]) -> PreTrainedModel | None:

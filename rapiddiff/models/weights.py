@@ -16,12 +16,14 @@ loader has failed (it returns the error to show, or None when the file itself is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from rapiddiff.utils.io import UnsafeCheckpointError
+from rapiddiff.utils.io import UnsafeCheckpointError, torch_load_tensors
 
 PICKLE_FIX = (
     "rapiddiff loads only tensors (safetensors, or torch files that hold nothing but tensors), so "
@@ -90,6 +92,25 @@ def diagnose(path: str | Path, label: str | None = None) -> Exception | None:
     return None
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+@contextlib.contextmanager
+def explained(path: str | Path, label: str) -> Iterator[None]:
+    """Run a library's loader on ``path`` (a weights file or a folder of them); where it fails
+    because a file is truncated or a pickle that would run code, raise that, naming the file."""
+    try:
+        yield
+    except Exception as err:  # transformers / diffusers raise many types for a bad file
+        path = Path(path)
+        files = sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES) if path.is_dir() else [path]
+        for file in files:
+            reason = diagnose(file, f"{label}: {file}")
+            if reason is not None:
+                raise reason from err
+        raise
+
+
 def is_unsafe_pickle_error(err: BaseException) -> bool:
     """True for torch's refusal to unpickle a non-tensor object under ``weights_only=True``."""
     text = str(err)
@@ -125,10 +146,8 @@ def _check_safetensors(path: Path, size: int, label: str) -> None:
 def _check_pickle(path: Path, label: str) -> None:
     import pickle
 
-    import torch
-
     try:
-        torch.load(str(path), map_location="cpu", weights_only=True, mmap=False)
+        torch_load_tensors(path, map_location="cpu", mmap=False)
     except pickle.UnpicklingError as err:
         if not is_unsafe_pickle_error(err):
             raise ValueError(f"{label}: not a readable torch file ({err})") from err

@@ -17,7 +17,7 @@ EPILOG = """examples:
   rapiddiff serve --ray --replicas-per-gpu 1 --max-replicas 8   # on a Ray cluster (ray start ... first)
 
   curl http://127.0.0.1:7860/v1/images/generations -H 'Content-Type: application/json' \\
-       -d '{"prompt": "蓝色背景上有一个番茄", "n": 1, "seed": 7, "response_format": "b64_json"}'
+       -d '{"prompt": "浅蓝色背景上有一个番茄", "n": 1, "seed": 7, "response_format": "b64_json"}'
 
 Open http://127.0.0.1:7860/ for the web page; /docs lists the API; /metrics is Prometheus text.
 """

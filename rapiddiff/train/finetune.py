@@ -197,7 +197,7 @@ class FineTune(LatentDiffusion):
 
 def merge_lora(base: str | Path, lora: str | Path, out: str | Path, scale: float = 1.0) -> Path:
     """Fold a LoRA (a ``train finetune`` LoRA folder or a diffusers-format LoRA) into ``base`` and
-    write a full model folder to ``out``.
+    write a full model folder to ``out`` (``base`` "builtin": the model shipped with rapiddiff).
 
     The same code merges a LoRA at generation time (``pipe.load_lora`` → rapiddiff.models.lora),
     so the merged folder makes the images ``--lora`` makes. The base folder's knowledge/,
@@ -206,7 +206,7 @@ def merge_lora(base: str | Path, lora: str | Path, out: str | Path, scale: float
     from rapiddiff.models.bundle import load_model_folder, save_model_folder
     from rapiddiff.models.lora import apply_lora, read_lora
 
-    base, lora = Path(base), Path(lora)
+    base, lora = Path(_resolve_pretrained(str(base))), Path(lora)
     if lora.is_dir() and not any((lora / f).is_file() for f in (LORA_WEIGHTS, TEXT_LORA_FILE, FUSION_FILE)):
         raise FileNotFoundError(f"{lora}: no {LORA_WEIGHTS}; expected a `train finetune` LoRA output")
     weights = read_lora(lora)
@@ -222,7 +222,12 @@ def _merge_main(args: list[str]) -> None:
         prog="rapiddiff train finetune merge",
         description="Fold LoRA weights into their base model and write a full model folder.",
     )
-    parser.add_argument("--base", required=True, help="the model folder the LoRA was trained on")
+    parser.add_argument(
+        "--base",
+        required=True,
+        help="the model folder the LoRA was trained on; builtin: the model shipped with rapiddiff "
+        "(as `pretrained: builtin` in a finetune config)",
+    )
     parser.add_argument(
         "--lora",
         required=True,

@@ -154,13 +154,25 @@ def save_safetensors(
                 handle.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
+def torch_load_tensors(path: str | Path, **kwargs: Any) -> Any:
+    """``torch.load(weights_only=True)`` without torch's "Detected pickle protocol 4" warning: its
+    restricted unpickler reads protocol 4 (what ``pickle``'s default writes) and refuses whatever it
+    cannot, so the warning only adds noise to every load of such a file."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        return torch.load(str(path), weights_only=True, **kwargs)
+
+
 def load_weights(path: str | Path, device: str = "cpu") -> dict[str, Any]:
     """Load a state dict from safetensors or a weights-only torch pickle; never run code.
 
     Raises :class:`FileNotFoundError` for a missing file and :class:`UnsafeCheckpointError` for
     a pickle that holds anything but tensors and plain containers.
     """
-    import torch
 
     path = Path(path)
     if not path.is_file():
@@ -173,7 +185,7 @@ def load_weights(path: str | Path, device: str = "cpu") -> dict[str, Any]:
         except Exception as err:  # safetensors raises its own SafetensorError for bad headers
             raise ValueError(f"{path}: not a valid safetensors file ({err})") from err
     try:
-        state = torch.load(str(path), map_location=device, weights_only=True)
+        state = torch_load_tensors(path, map_location=device)
     except Exception as err:
         if isinstance(err, FileNotFoundError):
             raise

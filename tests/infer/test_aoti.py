@@ -541,8 +541,8 @@ def test_generate_passes_aoti_to_the_fast_path(tiny_model, tmp_path, monkeypatch
     fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
     fake.accelerate = fake_accelerate
     monkeypatch.setitem(sys.modules, name, fake)
-    assert main([*cli, "--fast", "--aoti", "build", "--out", str(tmp_path / "a")]) == 0
-    assert main([*cli, "--fast", "--out", str(tmp_path / "b")]) == 0
+    assert main([*cli, "--fast", "--fast", "--aoti", "build", "--out", str(tmp_path / "a")]) == 0
+    assert main([*cli, "--fast", "--fast", "--out", str(tmp_path / "b")]) == 0
     assert seen == [{"aoti": "build"}, {}]
 
 

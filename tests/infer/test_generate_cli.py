@@ -63,13 +63,13 @@ def test_writes_pngs_with_settings_and_a_grid(model, tmp_path):
         6,
         2,
         "ddim",
-        12,
         8,
+        12,
     )
     with Image.open(files[0]) as im:
-        assert im.size == (8, 12)
+        assert im.size == (12, 8)  # --size is WxH, as the OpenAI images API's "WIDTHxHEIGHT"
     with Image.open(out / "00001-grid.png") as grid:
-        assert grid.size == (2 + 2 * (8 + 2), 2 + 2 * (12 + 2))  # 2×2 cells, 2-pixel gaps
+        assert grid.size == (2 + 2 * (12 + 2), 2 + 2 * (8 + 2))  # 2×2 cells, 2-pixel gaps
     # A second run numbers on; nothing is overwritten.
     assert main(["generate", "猫", "--model", model, "--seed", "1", "--out", str(out), *FAST]) == 0
     assert _pngs(out)[-1].name == "00004-1.png"
@@ -163,7 +163,8 @@ def test_empty_prompt_warns_and_generates(model, tmp_path, caplog):
 def test_fast_flag(model, tmp_path, capsys, monkeypatch):
     name = "rapiddiff.infer.accelerate"
     monkeypatch.setitem(sys.modules, name, None)  # as if the module were not installed
-    assert main(["generate", "x", "--model", model, "--fast", "--out", str(tmp_path), *FAST]) == 2
+    # --fast twice: on this CPU one --fast alone runs eager (tests/infer/test_generate_cli_ux.py)
+    assert main(["generate", "x", "--model", model, "--fast", "--fast", "--out", str(tmp_path), *FAST]) == 2
     assert "not available" in capsys.readouterr().err
 
     # With the module present, its stage replaces the pipeline's denoise stage; the rest stays the pipeline's.
@@ -183,7 +184,8 @@ def test_fast_flag(model, tmp_path, capsys, monkeypatch):
     fake.accelerate = accelerate
     monkeypatch.setitem(sys.modules, name, fake)
     out = tmp_path / "fast"
-    assert main(["generate", "x", "--model", model, "--fast", "--seed", "3", "--out", str(out), *FAST]) == 0
+    fast = ["--fast", "--fast"]
+    assert main(["generate", "x", "--model", model, *fast, "--seed", "3", "--out", str(out), *FAST]) == 0
     assert len(calls) == 1 and hasattr(calls[0][0], "denoise") and calls[0][1:] == (1, True)
     image = _pngs(out)[0]
     assert np.asarray(Image.open(image)).max() == 128 and read_png_metadata(image)["seed"] == 3

@@ -78,7 +78,7 @@ def _diffusers(folder, task: str, scheduler: str, seed: int, images: dict) -> np
     if task == "inpaint":
         kw["mask_image"] = Image.open(images["mask"]).convert("L")
         kw["height"] = kw["width"] = 16
-    return ref(
+    out = ref(
         PROMPT,
         negative_prompt=NEGATIVE,
         num_inference_steps=STEPS,
@@ -87,6 +87,19 @@ def _diffusers(folder, task: str, scheduler: str, seed: int, images: dict) -> np
         output_type="np",
         **kw,
     ).images
+    return _pasted(out, images) if task == "inpaint" else out
+
+
+def _pasted(out: np.ndarray, images: dict, size: int = 16) -> np.ndarray:
+    """diffusers' inpainting images with the init image pasted back outside the mask (as its
+    ``apply_overlay`` does, and rapiddiff always does), both preprocessed as diffusers does."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    init = VaeImageProcessor().preprocess(Image.open(images["init"]).convert("RGB"), height=size, width=size)
+    masker = VaeImageProcessor(do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+    mask = masker.preprocess(Image.open(images["mask"]).convert("L"), height=size, width=size)
+    init, mask = (init / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy(), mask.permute(0, 2, 3, 1).numpy()
+    return out * mask + init * (1 - mask)
 
 
 def _ours(pipe: RapidDiffusionPipeline, task: str, scheduler: str, seed, images: dict, **kw):
@@ -240,4 +253,5 @@ def test_nine_channel_inpainting_unet_as_diffusers(tiny_folders, images, tmp_pat
         generator=[torch.Generator("cpu").manual_seed(7)],
         output_type="np",
     ).images
+    expected = _pasted(expected, images)
     torch.testing.assert_close(out.images, expected, atol=1e-5, rtol=1e-5)
