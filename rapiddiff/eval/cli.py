@@ -26,6 +26,10 @@ EVAL_COMMANDS: dict[str, tuple[str, str]] = {
         "rapiddiff.eval.judge_cli",
         "train the frozen emoji-zh judge on real emoji artwork (safetensors + judge.json + figures)",
     ),
+    "emoji": (
+        "rapiddiff.eval.emoji",
+        "emoji-zh: the judge's entity/subcategory reads, background, position, judge-feature Fréchet distance",
+    ),
     "report": (
         "rapiddiff.eval.report",
         "self-contained HTML report (sample grids, metrics, model config) + PNG grid",
