@@ -32,7 +32,9 @@ def main() -> None:
     entities = []
     for m in rows:
         entity = m["image"].removesuffix(".png")
-        entities.append({"id": entity, "category": m["category"], "subcategory": m["subcategory"], "styles": list(dirs)})
+        entities.append(
+            {"id": entity, "category": m["category"], "subcategory": m["subcategory"], "styles": list(dirs)}
+        )
         for style, d in dirs.items():
             (args.out / "glyphs" / style).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(d / m["image"], args.out / "glyphs" / style / f"{entity}.png")
