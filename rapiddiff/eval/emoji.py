@@ -318,6 +318,7 @@ def evaluate_emoji(
         "emoji", f"emoji-zh entity top-1, seen, knowledge {first} (judge) %", headline["top1"] if headline else None,
         table=rows, warnings=warnings,
         details={
+            **(info or {}),
             "judge": {"path": str(info.get("judge") if info else ""), "classes": len(judge.config.classes),
                       "test_top1": figures.get("top1"), "input_size": judge.config.input_size},
             "frechet": frechet, "frechet_label": FRECHET_LABEL,
@@ -325,7 +326,7 @@ def evaluate_emoji(
                            "object_size": vocab.object_size, "source": vocab.source},
             "settings": {k: v for k, v in vars(settings).items() if k != "knowledge"},
             "prompts": len(prompts), "images_per_mode": len(jobs), "timings": timings,
-            "grids": write_grids(run_dirs, records, out), **(info or {}),
+            "grids": write_grids(run_dirs, records, out),
         },
     )  # fmt: skip
     write_json(out / METRICS_DIR / "emoji.json", record)

@@ -85,6 +85,6 @@ def tiny_judge(emoji_folder, tmp_path_factory):
     from rapiddiff.eval.judge import TrainSettings, train_judge
 
     out = tmp_path_factory.mktemp("judge") / "judge"
-    settings = TrainSettings(epochs=600, batch_size=48, lr=3e-3, test_renders=8)
+    settings = TrainSettings(epochs=800, batch_size=48, lr=3e-3, test_renders=8)
     figures = train_judge(emoji_folder, out, settings, arch="tiny", input_size=32, device="cpu")
     return out, figures
