@@ -49,6 +49,7 @@ def test_frechet_distance_of_a_set_to_itself_is_zero_and_grows_with_a_shift():
     assert row["real_styles"] == ["a", "b"] and row["style_vs_style"] < 0.5 and row["ratio"] > 10
 
 
+@pytest.mark.slow  # the tiny_judge fixture trains 200 steps (~2 min on a busy 2-core CPU)
 def test_eval_emoji_end_to_end_on_a_tiny_model(tmp_path, emoji_folder, tiny_judge, tiny_model, capsys):
     judge_dir, _ = tiny_judge
     out = tmp_path / "run"
@@ -95,6 +96,7 @@ def test_eval_emoji_end_to_end_on_a_tiny_model(tmp_path, emoji_folder, tiny_judg
     assert md.strip() in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the tiny_judge fixture trains 200 steps (~2 min on a busy 2-core CPU)
 def test_bad_flags_are_named(tmp_path, emoji_folder, tiny_judge, capsys):
     judge_dir, _ = tiny_judge
     base = [

@@ -14,6 +14,7 @@ from rapiddiff.utils.io import UnsafeCheckpointError
 from tests.eval.conftest import EMOJI_POSITIONS, EMOJI_SHADES, compose, draw_glyph
 
 
+@pytest.mark.slow  # the tiny_judge fixture trains 200 steps (~2 min on a busy 2-core CPU)
 def test_the_judge_learns_the_fixture_entities_from_artwork_alone(tiny_judge):
     out, figures = tiny_judge
     test = figures["test"]
@@ -32,6 +33,7 @@ def test_the_judge_learns_the_fixture_entities_from_artwork_alone(tiny_judge):
     assert config["figures"]["test"] == test and config["input_size"] == 32
 
 
+@pytest.mark.slow  # the tiny_judge fixture trains 200 steps (~2 min on a busy 2-core CPU)
 def test_the_saved_judge_reloads_bit_identically_and_reads_images(tiny_judge):
     out, _ = tiny_judge
     a, b = load_judge(out), load_judge(out)
@@ -43,6 +45,7 @@ def test_the_saved_judge_reloads_bit_identically_and_reads_images(tiny_judge):
     assert len(top) == 3 and len(top[0]) == 5 and feats.shape == (3, 64)
 
 
+@pytest.mark.slow  # the tiny_judge fixture trains 200 steps (~2 min on a busy 2-core CPU)
 def test_a_pickled_judge_is_refused_with_the_reason(tiny_judge, tmp_path):
     out, _ = tiny_judge
     bad = tmp_path / "judge"
@@ -56,6 +59,7 @@ def test_a_pickled_judge_is_refused_with_the_reason(tiny_judge, tmp_path):
         load_judge(bad)
 
 
+@pytest.mark.slow  # the tiny_judge fixture trains 200 steps (~2 min on a busy 2-core CPU)
 def test_a_config_typo_names_the_valid_keys(tiny_judge, tmp_path):
     import shutil
 
