@@ -22,6 +22,14 @@ EVAL_COMMANDS: dict[str, tuple[str, str]] = {
         "rapiddiff.eval.knowledge",
         "kshapes colour/shape accuracy, seen vs held-out, knowledge on vs off",
     ),
+    "judge-train": (
+        "rapiddiff.eval.judge_cli",
+        "train the frozen emoji-zh judge on real emoji artwork (safetensors + judge.json + figures)",
+    ),
+    "emoji": (
+        "rapiddiff.eval.emoji",
+        "emoji-zh: the judge's entity/subcategory reads, background, position, judge-feature Fréchet distance",
+    ),
     "report": (
         "rapiddiff.eval.report",
         "self-contained HTML report (sample grids, metrics, model config) + PNG grid",

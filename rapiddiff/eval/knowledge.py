@@ -450,28 +450,10 @@ def evaluate_knowledge(
     """Generate (both modes, same seeds), detect, tabulate; returns the metric record."""
     out = Path(out)
     jobs = plan_jobs(prompts, settings.images_per_prompt, settings.seed)
-    records: dict[str, list[dict[str, Any]]] = {}
-    run_dirs: dict[str, Path] = {}
-    timings = {}
-    drawn: dict[tuple[str, Any], Path] = {}  # (job file, conditioning) → the image an earlier mode drew
-    for mode in modes:
-        run_dir = out / f"knowledge_{mode}"
-        mode_settings = replace(settings, knowledge=MODES[mode])
-        keys = conditioning_keys(pipe, mode, jobs, settings.negative_prompt)
-        reuse = {}
-        if keys is not None:
-            for job, key in zip(jobs, keys, strict=True):
-                if (job.file, key) in drawn:
-                    reuse[job.file] = drawn[job.file, key]
-                else:
-                    drawn[job.file, key] = run_dir / job.file
-        with _knowledge_mode(pipe, mode):
-            timings[mode] = generate(
-                pipe, jobs, run_dir, mode_settings, batch_size=batch_size, overwrite=overwrite, info=info,
-                reuse=reuse,
-            )  # fmt: skip
-        records[mode] = score_run(run_dir, detect, workers=workers)
-        run_dirs[mode] = run_dir
+    run_dirs, timings = draw_modes(
+        pipe, jobs, out, settings, modes, batch_size=batch_size, overwrite=overwrite, info=info
+    )
+    records = {mode: score_run(run_dir, detect, workers=workers) for mode, run_dir in run_dirs.items()}
     from rapiddiff.eval.consistency import SSIM, write_grid
 
     grid = write_grid(run_dirs, records, out / "render_consistency.png", splits=ALL_SPLITS)
@@ -522,6 +504,41 @@ def evaluate_knowledge(
     write_json(out / METRICS_DIR / "knowledge.json", record)
     (out / "knowledge.md").write_text(knowledge_markdown(record) + "\n", encoding="utf-8")
     return record
+
+
+def draw_modes(
+    pipe: Any,
+    jobs: Sequence[Any],
+    out: Path,
+    settings: SampleSettings,
+    modes: Sequence[str],
+    *,
+    batch_size: int = 16,
+    overwrite: bool = False,
+    info: dict[str, Any] | None = None,
+) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Draw ``jobs`` once per knowledge mode into ``out/knowledge_<mode>/`` (same seeds); an image an
+    earlier mode drew under the same conditioning is linked in. Returns the run folders and timings."""
+    run_dirs: dict[str, Path] = {}
+    timings = {}
+    drawn: dict[tuple[str, Any], Path] = {}  # (job file, conditioning) → the image an earlier mode drew
+    for mode in modes:
+        run_dir = out / f"knowledge_{mode}"
+        keys = conditioning_keys(pipe, mode, jobs, settings.negative_prompt)
+        reuse = {}
+        if keys is not None:
+            for job, key in zip(jobs, keys, strict=True):
+                if (job.file, key) in drawn:
+                    reuse[job.file] = drawn[job.file, key]
+                else:
+                    drawn[job.file, key] = run_dir / job.file
+        with _knowledge_mode(pipe, mode):
+            timings[mode] = generate(
+                pipe, jobs, run_dir, replace(settings, knowledge=MODES[mode]), batch_size=batch_size,
+                overwrite=overwrite, info=info, reuse=reuse,
+            )  # fmt: skip
+        run_dirs[mode] = run_dir
+    return run_dirs, timings
 
 
 def conditioning_keys(
