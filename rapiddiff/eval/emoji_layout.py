@@ -112,6 +112,8 @@ def calibrate(data_dir: str | Path, per_name: int = CALIBRATION_IMAGES) -> Vocab
     from rapiddiff.eval.common import read_jsonl
 
     data_dir = Path(data_dir)
+    if not (data_dir / "metadata.jsonl").is_file() and (data_dir / "train" / "metadata.jsonl").is_file():
+        data_dir = data_dir / "train"  # the builder's layout: train/ holds the images and their rows
     meta = data_dir / "metadata.jsonl"
     if not meta.is_file():
         log.info("%s has no metadata.jsonl: backgrounds and positions are kshapes' vocabulary", data_dir)
