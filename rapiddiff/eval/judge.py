@@ -155,7 +155,8 @@ def load_judge(folder: str | Path, device: torch.device | str = "cpu") -> Judge:
         raise FileNotFoundError(
             f"{folder}: no {CONFIG}; a judge folder is written by `rapiddiff eval judge-train`"
         )
-    if not (folder / WEIGHTS).is_file():
+    shards = weight_files(folder)
+    if not shards:
         pickles = sorted(
             p.name for p in folder.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt", ".pkl")
         )
@@ -164,7 +165,7 @@ def load_judge(folder: str | Path, device: torch.device | str = "cpu") -> Judge:
                 f"{folder}: the judge's weights must be {WEIGHTS}; {', '.join(pickles)} would be unpickled, "
                 f"which is refused. {PICKLE_FIX}"
             )
-        raise FileNotFoundError(f"{folder}: no {WEIGHTS}")
+        raise FileNotFoundError(f"{folder}: no {WEIGHTS} (nor its shards)")
     raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     known = JudgeConfig.__dataclass_fields__
     unknown = sorted(set(raw) - set(known))
@@ -172,8 +173,43 @@ def load_judge(folder: str | Path, device: torch.device | str = "cpu") -> Judge:
         raise ValueError(f"{folder / CONFIG}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(known)}")
     config = JudgeConfig(**{k: tuple(v) if k in ("mean", "std") else v for k, v in raw.items()})
     net = JudgeNet(len(config.classes), config.arch)
-    net.load_state_dict(load_file(str(folder / WEIGHTS)))
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:  # weights stored as float16 (half the size) come back as float32
+        state.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(shard)).items()})
+    net.load_state_dict(state)
     return Judge(net, config, device)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The judge's weights: ``model.safetensors``, or its shards ``model-0000K-of-0000N.safetensors``
+    (a shipped judge is split so that each file stays small), all N of them."""
+    if (folder / WEIGHTS).is_file():
+        return [folder / WEIGHTS]
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    if shards:
+        total = int(shards[0].stem.rsplit("-of-", 1)[1])
+        if len(shards) != total:
+            raise FileNotFoundError(f"{folder}: {len(shards)} of the judge's {total} weight shards are here")
+    return shards
+
+
+def shard_judge(folder: str | Path, parts: int = 2) -> list[Path]:
+    """Rewrite a judge's ``model.safetensors`` as ``parts`` float16 shards (for shipping: the
+    frozen judge's float16 weights give the same verdicts at half the bytes)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    state = {k: v.half() if v.is_floating_point() else v for k, v in load_file(str(folder / WEIGHTS)).items()}
+    sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
+    total, done, groups = sum(sizes.values()), 0, [{} for _ in range(parts)]
+    for key, tensor in state.items():
+        groups[min(parts - 1, int(done * parts / total))][key] = tensor
+        done += sizes[key]
+    paths = [folder / f"model-{i + 1:05d}-of-{parts:05d}.safetensors" for i in range(parts)]
+    for path, group in zip(paths, groups, strict=True):
+        save_file(group, str(path), metadata={"format": "pt"})
+    (folder / WEIGHTS).unlink()
+    return paths
 
 
 # --- the data folder's artwork -------------------------------------------------------------------
