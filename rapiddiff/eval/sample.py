@@ -40,14 +40,20 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 
+def _sampling_defaults() -> Any:
+    from rapiddiff.models.sampling import SamplingDefaults  # deferred: it imports torch
+
+    return SamplingDefaults()
+
+
 @dataclass
 class SampleSettings:
     """Everything that decides what an image looks like, besides prompt and seed."""
 
     model: str
-    steps: int = 50
-    guidance: float = 7.5
-    scheduler: str = "pndm"
+    steps: int = field(default_factory=lambda: _sampling_defaults().num_inference_steps)
+    guidance: float = field(default_factory=lambda: _sampling_defaults().guidance_scale)
+    scheduler: str = field(default_factory=lambda: _sampling_defaults().scheduler)
     height: int | None = None
     width: int | None = None
     negative_prompt: str | None = None
