@@ -59,7 +59,7 @@ class SamplingConfig:
     loop every generation path runs). Steps, guidance and sampler are also the sampling defaults
     the exported model folder carries."""
 
-    prompts: tuple[str, ...] = ("蓝色背景上有一个红色的圆形", "白色背景上有一个番茄")
+    prompts: tuple[str, ...] = ("浅蓝色背景上有一个红色的圆形", "米色背景上有一个番茄")
     seeds: tuple[int, ...] = (0, 1)
     negative_prompt: str = ""
     num_inference_steps: int | None = None
