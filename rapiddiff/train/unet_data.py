@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from rapiddiff.train.unet import LatentDiffusion
+if TYPE_CHECKING:  # typed as the base class: unet.py imports this module
+    from rapiddiff.train.module import RapidModule as LatentDiffusion
 
 
 @torch.no_grad()

@@ -16,8 +16,8 @@ from rapiddiff.train.speed import (
 )
 from rapiddiff.utils.logging import get_logger
 
-if TYPE_CHECKING:
-    from rapiddiff.train.unet import LatentDiffusion
+if TYPE_CHECKING:  # typed as the base class: unet.py imports this module
+    from rapiddiff.train.module import RapidModule as LatentDiffusion
 
 log = get_logger(__name__)
 
