@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rapiddiff.infer.job import DenoiseJob
+from rapiddiff.models.geometry import ImageGeometry
 from rapiddiff.models.sampling import (  # re-exported: the names users of this module know
     SCHEDULERS,
     SamplingDefaults,
@@ -64,7 +65,7 @@ class _Source:
     sha256: str
 
 
-class RapidDiffusionPipeline:
+class RapidDiffusionPipeline(ImageGeometry):
     """Text-to-image, img2img and inpainting with a KnowledgeTextEncoder; ``unet``, ``vae``,
     ``scheduler``, ``text_encoder``, ``upscaler`` and ``denoiser`` are public and may be replaced."""
 
@@ -199,24 +200,6 @@ class RapidDiffusionPipeline:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.unet.parameters()).dtype
-
-    @property
-    def vae_scale_factor(self) -> int:
-        from rapiddiff.models.sampling import vae_scale_factor
-
-        return vae_scale_factor(self.vae)
-
-    @property
-    def size_multiple(self) -> int:
-        from rapiddiff.models.sampling import size_multiple
-
-        return size_multiple(self.unet, self.vae)
-
-    @property
-    def default_size(self) -> int:
-        from rapiddiff.models.sampling import default_size
-
-        return default_size(self.unet, self.vae)
 
     @property
     def fixed_batch(self) -> bool:

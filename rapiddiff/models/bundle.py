@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.models.geometry import ImageGeometry
 from rapiddiff.models.weights import diagnose
 from rapiddiff.utils.io import atomic_write_text, read_json_object
 from rapiddiff.utils.logging import get_logger
@@ -51,7 +52,7 @@ _WEIGHT_FILES = {
 
 
 @dataclass
-class ModelBundle:
+class ModelBundle(ImageGeometry):
     """The parts of a text-to-image model; ``path`` is the folder it came from (if any)."""
 
     unet: nn.Module
@@ -70,24 +71,6 @@ class ModelBundle:
 
             value = SamplingDefaults.from_dict(value)
         super().__setattr__(name, value)
-
-    @property
-    def vae_scale_factor(self) -> int:
-        from rapiddiff.models.sampling import vae_scale_factor
-
-        return vae_scale_factor(self.vae)
-
-    @property
-    def size_multiple(self) -> int:
-        from rapiddiff.models.sampling import size_multiple
-
-        return size_multiple(self.unet, self.vae)
-
-    @property
-    def default_size(self) -> int:
-        from rapiddiff.models.sampling import default_size
-
-        return default_size(self.unet, self.vae)
 
     @property
     def name(self) -> str:
