@@ -20,6 +20,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from rapiddiff.data.emoji.licenses import copy_licenses_of_sources
 from rapiddiff.models.weights import is_unsafe_pickle_error, unsafe_pickle_error
 from rapiddiff.train.callbacks import GracefulInterrupt, PlainProgress, SampleGrid, StepProgressBar
 from rapiddiff.train.checkpoints import (
@@ -288,10 +289,20 @@ def run_cli(
     if exporter is not None:
         path = exporter.export(Path(output))
         cli.parser.save(cli.config, str(Path(path) / "training_config.yaml"), skip_none=False, overwrite=True)
+        for data_dir in copy_licenses_of_sources(data_sources(cli.datamodule), path):
+            log.info("licences and attribution of %s copied into %s", data_dir, path)
         log.info("saved the trained model to %s", path)
     trainer.strategy.barrier("export")
     cli.exported = Path(output)  # type: ignore[attr-defined]
     return cli
+
+
+def data_sources(datamodule: Any) -> list[str]:
+    """The training and validation paths a data module reads (whatever its kind)."""
+    names = ("train_source", "val_source", "train_lr", "train_hr", "val_lr", "val_hr")
+    values = [getattr(datamodule, n, None) for n in names]
+    values += [getattr(datamodule, "hparams", {}).get(n) for n in names]
+    return [v for v in values if isinstance(v, str | Path)]
 
 
 def _make_cli(

@@ -20,6 +20,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_runs_from_config_and_exports_a_diffusers_folder(data: Path, tmp_path: Path) -> None:
     root = tmp_path / "run"
+    # Data from a licensed folder (emoji-zh writes LICENSES/ and ATTRIBUTION.md beside train/).
+    (data.parent / "ATTRIBUTION.md").write_text("artwork: Noto Emoji (Apache-2.0)\n", encoding="utf-8")
+    (data.parent / "LICENSES").mkdir(exist_ok=True)
+    (data.parent / "LICENSES" / "noto.txt").write_text("Apache License 2.0\n", encoding="utf-8")
     # bf16-mixed as the shipped config: frozen VAE and text tower run in bf16, the U-Net in fp32.
     unet_stage.cli_main([*tiny_unet_args(data, root, max_steps=3), "--trainer.precision=bf16-mixed"])
     names = {p.name for p in (root / "checkpoints").glob("*.ckpt")}
@@ -32,6 +36,8 @@ def test_runs_from_config_and_exports_a_diffusers_folder(data: Path, tmp_path: P
     pipe = StableDiffusionPipeline.from_pretrained(root / "model", safety_checker=None)
     assert pipe.unet.config.cross_attention_dim == 32
     assert (root / "model" / "training_config.yaml").is_file()
+    assert (root / "model" / "ATTRIBUTION.md").read_text(encoding="utf-8").startswith("artwork: Noto")
+    assert (root / "model" / "LICENSES" / "noto.txt").is_file()
     from safetensors.torch import load_file
 
     vae_weights = load_file(root / "model" / "vae" / "diffusion_pytorch_model.safetensors")
