@@ -1,6 +1,6 @@
 """A small emoji-zh-shaped folder from the npm packages, for a judge run on the CPU.
 
-    python benchmarks/emoji_judge_subset.py --pkgs /work/emoji-pkgs --n 100 --out /tmp/emoji-subset
+    python benchmarks/emoji_judge_subset.py --pkgs PKGS --n 100 --out /tmp/emoji-subset
     python -m rapiddiff eval judge-train --data /tmp/emoji-subset --out /tmp/judge --device cpu ...
 
 Writes entities.jsonl (id, subcategory, category from emoji-datasource's emoji.json) and

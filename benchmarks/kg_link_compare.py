@@ -8,7 +8,7 @@ jieba's dictionary and, for a compiled word check, the compiled code, and weighs
 time it is met), characters per CPU-second (best of 3) with and without the word check; whether the
 spans are identical; the date and the load average.
 
-    python benchmarks/kg_link_compare.py --old /work/main/rapiddiff/kg/linker.py --names 16000000
+    python benchmarks/kg_link_compare.py --old OLD/rapiddiff/kg/linker.py --names 16000000
 """
 
 from __future__ import annotations

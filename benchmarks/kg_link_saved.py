@@ -4,7 +4,7 @@ Building the 16 M-name index takes ~150 CPU-s and ~5 GB per linker (``kg_link_co
 twice); this saves the built index once and then compares linkers on it in seconds:
 
     python benchmarks/kg_link_saved.py save --names 16000000 --prefix /tmp/n16
-    python benchmarks/kg_link_saved.py compare --prefix /tmp/n16 --old /work/main/rapiddiff/kg/linker.py
+    python benchmarks/kg_link_saved.py compare --prefix /tmp/n16 --old OLD/rapiddiff/kg/linker.py
 
 ``save`` builds this tree's ``EntityLinker`` over ``kg_scale.entity_names(N, 0)`` and writes the
 combined trie (forms and jieba's words, ``PREFIX.marisa``), the entity id per trie key
