@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -293,3 +294,26 @@ def read_text_lines(path: str | Path, *, what: str = "text") -> list[tuple[int, 
     # splitlines() would also split on U+2028, U+001C... that may sit inside a line of text.
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+
+
+def jsonl_text(rows: list[dict[str, Any]]) -> str:
+    """Rows as JSON Lines, non-ASCII text kept readable."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def prepare_output_folder(out: Path, owned: tuple[str, ...], overwrite: bool, what: str) -> None:
+    """Create ``out``; a non-empty one is refused unless ``overwrite``, which removes only the files
+    and folders a generator ``owned`` (``what`` names the generator in the error)."""
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"{out} is not empty; choose a new --out folder, or pass --overwrite to replace the "
+                f"{what} files in it"
+            )
+        for name in owned:
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    out.mkdir(parents=True, exist_ok=True)

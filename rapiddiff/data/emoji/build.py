@@ -30,7 +30,7 @@ from rapiddiff.data.emoji.kg import aliases_tsv, choose_aliases, keyword_counts,
 from rapiddiff.data.emoji.licenses import ATTRIBUTION, LICENSES_DIR, write_licenses
 from rapiddiff.data.emoji.packages import STYLES, find_packages
 from rapiddiff.data.emoji.splits import choose_splits, choose_subset
-from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.io import atomic_write_text, jsonl_text, prepare_output_folder
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -187,23 +187,6 @@ def _prompts(
     return rows
 
 
-def _jsonl(rows: list[dict[str, Any]]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-
-
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} is not empty; choose a new --out folder, or pass --overwrite")
-        for name in OUTPUTS:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _write_images(
     cfg: EmojiConfig,
     splits: dict[str, list[Item]],
@@ -222,7 +205,7 @@ def _write_images(
             image.save(cfg.out / split / item.file_name, format="PNG", compress_level=1)
             bar.update()
         # Metadata last: a folder with metadata.jsonl is a finished split.
-        atomic_write_text(cfg.out / split / "metadata.jsonl", _jsonl([i.metadata(split) for i in items]))
+        atomic_write_text(cfg.out / split / "metadata.jsonl", jsonl_text([i.metadata(split) for i in items]))
     bar.close()
 
 
@@ -242,7 +225,7 @@ def build_emoji(cfg: EmojiConfig, *, overwrite: bool = False, progress: bool = T
 
     with tempfile.TemporaryDirectory(prefix="rapiddiff-emoji-") as cache:
         packages = find_packages(cfg.packages, Path(cache))
-        _prepare_out(cfg.out, overwrite)
+        prepare_output_folder(cfg.out, OUTPUTS, overwrite, "emoji")
         summary = _build(cfg, packages, progress)
         write_licenses(cfg.out, packages)
     save_config(cfg, cfg.out / "emoji.yaml")
@@ -283,7 +266,7 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
                       + "".join("\t".join(t) + "\n" for t in triples))  # fmt: skip
     atomic_write_text(out / "kg" / "aliases.tsv", aliases_tsv(emojis, aliases))
     atomic_write_text(
-        out / "entities.jsonl", _jsonl([_entity_row(e, split_of[e.id], aliases[e.id]) for e in emojis])
+        out / "entities.jsonl", jsonl_text([_entity_row(e, split_of[e.id], aliases[e.id]) for e in emojis])
     )
     atomic_write_text(
         out / "splits.json",
@@ -296,7 +279,7 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
     kg_only = {"heldout": names["heldout"], "validation": names["val"], "heldout_ids": splits["heldout"],
                "validation_ids": splits["val"], "seed": cfg.seed}  # fmt: skip
     atomic_write_text(out / "kg_only_entities.json", json.dumps(kg_only, ensure_ascii=False, indent=1) + "\n")
-    atomic_write_text(out / "prompts.jsonl", _jsonl(_prompts(cfg, emojis, split_of, alias_prompts)))
+    atomic_write_text(out / "prompts.jsonl", jsonl_text(_prompts(cfg, emojis, split_of, alias_prompts)))
     return {
         "out": str(out),
         "sources": {n: {"version": p.version, "from": p.source} for n, p in sorted(packages.items())},

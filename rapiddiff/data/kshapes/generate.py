@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from rapiddiff.data.kshapes.entities import (
 from rapiddiff.data.kshapes.palette import COLOURS, LAYOUTS, SHAPES, compatible_backgrounds
 from rapiddiff.data.kshapes.render import ShapeSpec, render
 from rapiddiff.utils.config import save_config
-from rapiddiff.utils.io import atomic_write_text
+from rapiddiff.utils.io import atomic_write_text, jsonl_text, prepare_output_folder
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -351,32 +350,12 @@ def _jobs(
         yield item.spec, str(cfg.out / split / item.file_name), hr, cfg.size, cfg.hr_scale
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(
-                f"{out} is not empty; choose a new --out folder, or pass --overwrite to replace the "
-                "kshapes files in it"
-            )
-        for name in OUTPUTS:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def _jsonl(rows: list[dict[str, Any]]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=False) + "\n" for r in rows)
-
-
 def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Write the benchmark into ``cfg.out``; returns a summary (counts per split, held-out names)."""
     from tqdm.auto import tqdm
 
     out = cfg.out
-    _prepare_out(out, overwrite)
+    prepare_output_folder(out, OUTPUTS, overwrite, "kshapes")
     heldout_names = choose_heldout(cfg.heldout, cfg.seed)
     heldout = set(heldout_names)
     validation_names = choose_validation(cfg.validation_entities, cfg.seed, heldout)
@@ -402,7 +381,7 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
 
     # Metadata last: a folder with metadata.jsonl is a finished split.
     for split, items in splits.items():
-        rows = _jsonl([item.metadata() for item in items])
+        rows = jsonl_text([item.metadata() for item in items])
         atomic_write_text(out / split / "metadata.jsonl", rows)
         if cfg.writes_hr:
             atomic_write_text(out / "hr" / split / "metadata.jsonl", rows)
@@ -430,10 +409,10 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     atomic_write_text(out / "validation_entities.txt", "".join(f"{n}\n" for n in validation_names))
     kg_only = {"heldout": heldout_names, "validation": validation_names, "seed": cfg.seed}
     atomic_write_text(out / "kg_only_entities.json", json.dumps(kg_only, ensure_ascii=False, indent=1) + "\n")
-    atomic_write_text(out / "prompts.jsonl", _jsonl(evaluation_prompts(cfg, heldout, validation)))
-    atomic_write_text(out / "prompts_robust.jsonl", _jsonl(robust_prompts(cfg, heldout, validation)))
+    atomic_write_text(out / "prompts.jsonl", jsonl_text(evaluation_prompts(cfg, heldout, validation)))
+    atomic_write_text(out / "prompts_robust.jsonl", jsonl_text(robust_prompts(cfg, heldout, validation)))
     attribute = [row for split in ATTRIBUTE_STREAMS for row in attribute_prompts(cfg, split)]
-    atomic_write_text(out / "prompts_attribute.jsonl", _jsonl(attribute))
+    atomic_write_text(out / "prompts_attribute.jsonl", jsonl_text(attribute))
     save_config(cfg, out / "kshapes.yaml")
 
     summary = {
