@@ -160,3 +160,12 @@ def add_device_arguments(parser: Any, *, dtype: bool = True) -> None:
         parser.add_argument(
             "--dtype", default="auto", help="float32, float16, bfloat16 or auto (fp16 on CUDA, fp32 on CPU)"
         )
+
+
+def parse_choices(text: str, valid: Sequence[str], flag: str, what: str) -> list[str]:
+    """A comma-separated option (``--splits seen,heldout``), each item checked against ``valid``."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    for item in items:
+        if item not in valid:
+            raise ValueError(f"{flag}: unknown {what} {item!r}; choose from {', '.join(valid)}")
+    return items

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rapiddiff.eval.common import METRICS_DIR, metric_record, write_json, write_jsonl
+from rapiddiff.eval.common import METRICS_DIR, metric_record, parse_choices, write_json, write_jsonl
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -379,14 +379,8 @@ def run(args: argparse.Namespace) -> int:
     from rapiddiff.infer.generate_cli import resolve_model_dir
     from rapiddiff.utils.device import resolve_device
 
-    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for s in splits:
-        if s not in SPLITS:
-            raise ValueError(f"--splits: unknown split {s!r}; choose from {', '.join(SPLITS)}")
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
+    splits = parse_choices(args.splits, SPLITS, "--splits", "split")
+    modes = parse_choices(args.modes, MODES, "--modes", "mode")
     judge = load_judge(args.judge, device=resolve_device(args.device))  # before the model: fail fast
     args.model = resolve_model_dir(str(args.model) if args.model else None)
     if not args.model.is_dir():

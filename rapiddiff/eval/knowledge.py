@@ -22,6 +22,7 @@ from rapiddiff.eval.common import (
     METRICS_DIR,
     metric_record,
     open_rgb,
+    parse_choices,
     read_index,
     read_jsonl,
     write_json,
@@ -625,14 +626,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for s in splits:
-        if s not in ALL_SPLITS:
-            raise ValueError(f"--splits: unknown split {s!r}; choose from {', '.join(ALL_SPLITS)}")
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
+    splits = parse_choices(args.splits, ALL_SPLITS, "--splits", "split")
+    modes = parse_choices(args.modes, MODES, "--modes", "mode")
     prompts = read_knowledge_prompts(args.kshapes, splits)
     if args.limit is not None:
         by_split: dict[str, list[dict[str, Any]]] = defaultdict(list)
