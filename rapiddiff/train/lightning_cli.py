@@ -20,7 +20,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from rapiddiff.data.emoji.licenses import copy_licenses_of_sources
+from rapiddiff.data.licenses import copy_licenses_of_sources
 from rapiddiff.models.weights import is_unsafe_pickle_error, unsafe_pickle_error
 from rapiddiff.train.callbacks import GracefulInterrupt, PlainProgress, SampleGrid, StepProgressBar
 from rapiddiff.train.checkpoints import (

@@ -1,5 +1,5 @@
 """Licences and attributions of the emoji data, written into the data folder and copied into
-every model folder trained on it (:func:`copy_licenses`)."""
+every model folder trained on it (:func:`rapiddiff.data.licenses.copy_licenses`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 from rapiddiff.data.emoji.packages import Package
+from rapiddiff.data.licenses import ATTRIBUTION, LICENSES_DIR, copy_licenses
 
-LICENSES_DIR, ATTRIBUTION = "LICENSES", "ATTRIBUTION.md"
+__all__ = ["ATTRIBUTION", "LICENSES_DIR", "copy_licenses", "write_licenses"]
 # The artwork's licences are not in the npm packages (emoji-datasource's LICENSE is MIT for its
 # data files); Debian's copy of Apache-2.0 is added where the machine has it.
 APACHE_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
@@ -53,29 +54,3 @@ def write_licenses(out: Path, packages: dict[str, Package]) -> list[str]:
     versions = {k: packages[f"emoji-datasource-{k}"].version for k in ("google", "twitter")}
     (out / ATTRIBUTION).write_text(ATTRIBUTION_TEXT.format(**versions), encoding="utf-8")
     return written
-
-
-def copy_licenses(data_dir: str | Path, model_dir: str | Path) -> None:
-    """Copy LICENSES/ and ATTRIBUTION.md of an emoji data folder into a model folder (no-op for a
-    data folder without them, e.g. kshapes)."""
-    data_dir, model_dir = Path(data_dir), Path(model_dir)
-    if not (data_dir / ATTRIBUTION).is_file():
-        return
-    model_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(data_dir / ATTRIBUTION, model_dir / ATTRIBUTION)
-    shutil.copytree(data_dir / LICENSES_DIR, model_dir / LICENSES_DIR, dirs_exist_ok=True)
-
-
-def copy_licenses_of_sources(sources: list[str | Path], model_dir: str | Path) -> list[Path]:
-    """The licences of every training source that came from a licensed data folder (the source
-    itself, e.g. a ``--data`` folder, or the folder above it, e.g. ``DATA/train``), copied into a
-    model folder trained on it; returns the data folders they came from."""
-    found: list[Path] = []
-    for source in sources:
-        path = Path(source)
-        for folder in (path, path.parent):
-            if (folder / ATTRIBUTION).is_file() and folder not in found:
-                copy_licenses(folder, model_dir)
-                found.append(folder)
-                break
-    return found
