@@ -4,6 +4,7 @@ stage's tests use (made once per session, saved in the real formats)."""
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -121,3 +122,12 @@ def diffusers_lora(tiny_folders, tmp_path_factory):
         safe_serialization=True,
     )
     return out
+
+
+@pytest.fixture
+def logs(caplog):
+    """caplog, also fed by the rapiddiff logger, which setup_logging keeps from propagating to the root."""
+    logger = logging.getLogger("rapiddiff")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

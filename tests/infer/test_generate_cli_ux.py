@@ -5,22 +5,12 @@ knowledge mode."""
 from __future__ import annotations
 
 import argparse
-import logging
 
 import pytest
 
 from rapiddiff.cli import build_parser, main
 from rapiddiff.infer.generate_cli import parse_size
 from tests.infer.test_generate_cli import FAST
-
-
-@pytest.fixture
-def logs(caplog):
-    """caplog, also fed by the rapiddiff logger, which setup_logging keeps from propagating to the root."""
-    logger = logging.getLogger("rapiddiff")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_size_is_width_first():

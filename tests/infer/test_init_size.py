@@ -12,15 +12,6 @@ from PIL import Image
 GEN = {"num_inference_steps": 2, "seed": 1, "output_type": "np", "progress": False}
 
 
-@pytest.fixture
-def logs(caplog):
-    """caplog, also fed by the rapiddiff logger, which setup_logging keeps from propagating to the root."""
-    logger = logging.getLogger("rapiddiff")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def _init(tmp_path, width: int, height: int):
     path = tmp_path / f"init-{width}x{height}.png"
     Image.new("RGB", (width, height), (170, 200, 235)).save(path)
