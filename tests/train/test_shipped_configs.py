@@ -24,6 +24,7 @@ OTHER_CONFIGS = {
     "data": "tests/data/test_configs.py",
     "kg": "tests/kg/test_transe.py",
     "kshapes": "tests/train/test_shipped_configs.py::test_chain_config_loads",
+    "emoji": "tests/train/test_shipped_configs.py::test_chain_config_loads",
 }
 
 
@@ -38,6 +39,27 @@ def tiny_store(path: Path) -> Path:
         [(0, 0, 1), (0, 1, 6)],
     ).save(path)
     return path
+
+
+def tiny_emoji_store(path: Path) -> Path:
+    """emoji-zh's shape: emoji that head 子类 / 类别 facts, their subcategories and categories as entities."""
+    names = ["西红柿", "熊猫", "水果", "动物", "饮食"]
+    g = torch.Generator().manual_seed(0)
+    KnowledgeStore.from_arrays(
+        names,
+        ["子类", "类别"],
+        torch.randn(len(names), 8, generator=g),
+        torch.randn(2, 8, generator=g),
+        [(0, 0, 2), (1, 0, 3), (0, 1, 4)],
+    ).save(path)
+    return path
+
+
+def _clip_emoji(tmp: Path, data: Path) -> list[str]:
+    args = _clip_kshapes(tmp, data)
+    return [a for a in args if not a.startswith("--model.knowledge_store=")] + [
+        f"--model.knowledge_store={tiny_emoji_store(tmp / 'emoji_store')}"
+    ]
 
 
 def tiny_chinese_clip(path: Path) -> Path:
@@ -160,9 +182,12 @@ def _finetune_builtin(tmp: Path, data: Path) -> list[str]:
 # config → the tiny inputs and size overrides it runs with
 CASES: dict[str, Callable[[Path, Path], list[str]]] = {
     "clip/kshapes.yaml": _clip_kshapes,
+    "clip/emoji.yaml": _clip_emoji,
     "clip/chinese_clip_finetune.yaml": _clip_finetune,
     "unet/kshapes.yaml": _unet,
+    "unet/emoji.yaml": _unet,
     "vae/kshapes.yaml": _vae,
+    "vae/emoji.yaml": _vae,
     "upscaler/kshapes.yaml": _upscaler,
     "finetune/lora.yaml": _finetune("clip"),  # a plain SD 1.x folder
     "finetune/full.yaml": _finetune("bert"),  # a Taiyi-style folder
@@ -217,3 +242,10 @@ def test_chain_config_loads() -> None:
 
     chain = yaml.safe_load((REPO / "configs/kshapes/chain.yaml").read_text(encoding="utf-8"))
     assert {"clip", "vae", "upscaler", "unet"} <= set(chain)
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from emoji_chain import load_chain_config  # the emoji chain's own typed loader
+
+    emoji = load_chain_config(REPO / "configs/emoji/chain.yaml")
+    assert emoji.unet.minutes > 0 and emoji.seeds
