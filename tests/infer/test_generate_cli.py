@@ -14,6 +14,7 @@ from PIL import Image
 from rapiddiff.cli import main
 from rapiddiff.infer import generate_cli
 from rapiddiff.infer.png import read_png_metadata
+from rapiddiff.models import builtin
 from rapiddiff.models.presets import write_tiny_sd_folder
 
 FAST = ["--steps", "2", "--device", "cpu", "--no-progress"]
@@ -148,7 +149,7 @@ def test_unwritable_output_fails_before_loading(tmp_path, capsys):
 
 
 def test_missing_default_model_says_how_to_pass_one(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate_cli, "default_model_dir", lambda: tmp_path / "assets" / "model")
+    monkeypatch.setattr(builtin, "assets_root", lambda: tmp_path / "assets")  # a package without models
     assert main(["generate", "x", "--out", str(tmp_path), *FAST]) == 2
     err = capsys.readouterr().err
     assert "no built-in model" in err and "--model DIR" in err
