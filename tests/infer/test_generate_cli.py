@@ -250,3 +250,18 @@ def test_an_error_inside_the_batch_loop_prints_below_a_cleared_progress_bar(mode
     assert "images:" in err  # the bar was shown
     tail = err[err.rindex("images:") :]
     assert "\r" in tail and "guidance_scale must be a finite number" in tail.split("\r")[-1]
+
+
+def test_list_models_names_each_builtin_and_needs_no_prompt(capsys):
+    assert main(["generate", "--list-models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(builtin.builtin_names())
+    kshapes = next(line for line in lines if line.startswith("builtin:kshapes"))
+    assert "66 entities" in kshapes and " MB" in kshapes and "licence: Apache-2.0" in kshapes
+    assert sum("(default)" in line for line in lines) == 1
+
+
+def test_an_unknown_builtin_name_lists_the_valid_ones(tmp_path, capsys):
+    assert main(["generate", "x", "--model", "builtin:kshape", "--out", str(tmp_path), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'builtin:kshapes'" in err and "--list-models" in err
