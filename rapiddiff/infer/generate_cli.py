@@ -23,8 +23,8 @@ _LIBRARY = SamplingDefaults()  # the fallback when a model folder names no sampl
 EPILOG = """examples:
   rapiddiff generate "浅蓝色背景上有一个番茄"
   rapiddiff generate "一只熊猫" --model builtin:kshapes --num-images 4 --seed 7 --out out/
-  rapiddiff generate "一只熊猫" --model runs/my-model                # a model folder of your own
-  rapiddiff generate --list-models                      # the built-in models, by name
+  rapiddiff generate "一只熊猫" --model runs/my-model    # a model folder of your own
+  rapiddiff generate --list-models                       # the built-in models, by name
   rapiddiff generate --prompts prompts.txt --scheduler dpm++ --steps 25 --no-upscale
   rapiddiff generate --from-png out/00001-7.png          # the same image again
   rapiddiff generate "红色的番茄" --init-image photo.png --strength 0.6           # img2img
@@ -218,7 +218,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         choices=["embed", "text", "both", "off"],
         help="how KG knowledge enters: embed (fused TransE vectors), text (the entities' facts spelled "
         "into the prompt), both, or off (= --no-knowledge). Default: the model's own mode (saved in its "
-        f"text_encoder/rapiddiff_encoder.json; the built-in model's: {default_knowledge_mode() or 'embed'})",
+        f"text_encoder/rapiddiff_encoder.json; the default built-in model's: {default_knowledge_mode() or 'embed'})",
     )
     parser.add_argument(
         "--no-grid", action="store_true", help="do not write a grid image when several images are made"

@@ -183,9 +183,10 @@ def served_model_aliases(config: ServeConfig) -> tuple[str, ...]:
     """Other ids a request may name the served model by: ``builtin`` while it is the default
     built-in model (the id this server gave it before the built-in models had names)."""
     from rapiddiff.infer.generate_cli import resolve_model_dir
+    from rapiddiff.models.builtin import builtin_model_dir
 
     served = resolve_model_dir(str(config.model) if config.model else None).resolve()
-    return ("builtin",) if served == resolve_model_dir("builtin").resolve() else ()
+    return ("builtin",) if served == builtin_model_dir().resolve() else ()
 
 
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
