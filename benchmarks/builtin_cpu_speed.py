@@ -62,13 +62,13 @@ def time_calls(fn: Any, repeats: int) -> tuple[dict[str, Any], Any]:
     }, value
 
 
-def cold_run(model_dir: Path | None, threads: int) -> dict[str, Any]:
+def cold_run(model: str | None, threads: int) -> dict[str, Any]:
     """Wall time of a fresh ``rapiddiff generate`` process (the first thing a user runs)."""
     with tempfile.TemporaryDirectory(prefix="builtin-cold-") as out:
         cmd = [sys.executable, "-m", "rapiddiff", "generate", PROMPT, "--seed", "0", "--out", out]
         cmd += ["--no-progress", "--device", "cpu"]
-        if model_dir is not None:
-            cmd += ["--model", str(model_dir)]
+        if model is not None:
+            cmd += ["--model", model]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         start = time.perf_counter()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model", type=Path, help="model folder (default: the built-in one, as `rapiddiff generate`)"
+        "--model",
+        help="model folder or builtin:NAME (default: the default built-in one, as `rapiddiff generate`)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per figure (≥ 3)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))

@@ -30,7 +30,9 @@ def entity_splits(model_dir: Path, store) -> dict[str, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the built-in one)")
+    parser.add_argument(
+        "--model", default="builtin:kshapes", help="model folder or builtin:NAME (default: builtin:kshapes)"
+    )
     parser.add_argument("--guidance", type=float, nargs="+", default=[None], help="default: the model's")
     parser.add_argument(
         "--knowledge", nargs="+", default=["default"], help="default, embed, both, text or off"
@@ -40,11 +42,11 @@ def main() -> None:
     import torch
 
     from rapiddiff.data.kshapes import detect_attributes
-    from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, default_model_dir, model_sampling_defaults
+    from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, model_sampling_defaults, resolve_model_dir
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 
     torch.set_num_threads(2)
-    model_dir = args.model or default_model_dir()
+    model_dir = resolve_model_dir(args.model)
     pipe = RapidDiffusionPipeline.from_pretrained(model_dir, device="cpu")
     store = pipe.text_encoder.store
     sampling = {**DEFAULT_SAMPLING, **model_sampling_defaults(pipe.model_path)}

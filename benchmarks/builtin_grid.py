@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, help="model folder (default: the built-in one)")
+    parser.add_argument(
+        "--model", default="builtin:kshapes", help="model folder or builtin:NAME (default: builtin:kshapes)"
+    )
     parser.add_argument("--kshapes", type=Path, help="kshapes data folder (for heldout_entities.txt)")
     parser.add_argument("--heldout", help="held-out entities to show, comma-separated (instead of --kshapes)")
     parser.add_argument("--seen", default="番茄,橘子,蓝莓", help="seen entities, comma-separated")
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from rapiddiff.utils.device import resolve_device, resolve_dtype
     from rapiddiff.utils.io import atomic_open, atomic_write_text
 
-    model_dir = resolve_model_dir(str(args.model) if args.model else None)
+    model_dir = resolve_model_dir(args.model)
     try:  # bad input is reported before the model is loaded
         heldout_names = read_heldout(args.kshapes, args.heldout, model_dir)
         font_path = find_cjk_font(args.font)

@@ -140,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
-    from rapiddiff.models.bundle import builtin_model_dir
+    from rapiddiff.models.builtin import builtin_model_dir
     from rapiddiff.models.deep_cache import DeepCache
 
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else builtin_model_dir()
+    model = Path(args.model) if args.model else builtin_model_dir("kshapes")
     pipe = RapidDiffusionPipeline.from_pretrained(model)
     rows = prompts(args.prompts)
     jobs = [(row, seed) for seed in range(args.seeds) for row in rows]

@@ -33,7 +33,7 @@ settings are in `configs/kshapes/chain.yaml`. A stage whose output exists is ski
 off by a time limit resumes where it stopped (the device tool allows 10 minutes a call: run `--part
 prep`, then `--part unet`). Independent stages run side by side: these models are small and one GPU
 has room for several. Results land in OUT/results/ (JSON + results.md); the built-in model in
-OUT/builtin/ (fp16), ready to copy into rapiddiff/assets/model.
+OUT/builtin/ (fp16), ready to copy into rapiddiff/assets/kshapes.
 """
 
 from __future__ import annotations

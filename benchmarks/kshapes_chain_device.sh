@@ -38,7 +38,7 @@
 # On nvidia-h200-x2 the chain puts seeds on the GPUs round-robin: the prep runs seeds 0 and 2 on GPU 0 and
 # seed 1 on GPU 1, then SEEDS=0,1 trains two soups at once (one a GPU, each call's data loaders within its 32
 # cores) and SEEDS=2 the third (run 2026-11-29 09:05, above). The VAE for VAE_REUSE: `tar czf V/vae_best.tgz -C
-# rapiddiff/assets/model vae` (the built-in folder's, as on 2026-11-29).
+# rapiddiff/assets/kshapes vae` (the built-in kshapes folder's, as on 2026-11-29).
 # Two U-Net rounds (ChainConfig.unet_rounds: 2) take a third call, the second round alone:
 #   ROUND1=1 bash benchmarks/kshapes_chain_device.sh unet OUT CARRIED   # round one, evaluated; OUT/round1.tar
 #   SET="unet_rounds=2" bash benchmarks/kshapes_chain_device.sh unet OUT R1   # R1 = round1.tar's round1/ folder

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 18: U-Net training recipes compared like for like, on the shipped model's own encoders (its
-# knowledge text encoder, fusion, KnowledgeStore and VAE, rapiddiff/assets/model) and its data seed,
+# knowledge text encoder, fusion, KnowledgeStore and VAE, rapiddiff/assets/kshapes) and its data seed,
 # so only the U-Net recipe differs. Two device calls (carrying the slim wheels, .wt/slim):
 #   bash benchmarks/kshapes_unet_arms_device.sh train OUT           # the arms side by side, packed
 #   bash benchmarks/kshapes_unet_arms_device.sh eval OUT CARRIED    # each arm and the shipped model
@@ -34,7 +34,7 @@
 # dependencies, pydantic, datasets, torch-fidelity and lmdb, which `eval knowledge` and `data kshapes`
 # do not import).
 set -u
-part=$1; out=$2; work=/tmp/ka; seed=${SEED:-0}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/model
+part=$1; out=$2; work=/tmp/ka; seed=${SEED:-0}; steps=${STEPS:-10000}; shipped=rapiddiff/assets/kshapes
 encoders=${ENCODERS:-$shipped}
 arms=${ARMS:-"eps:;zsnr:--model.loss.prediction_type=v_prediction --model.loss.zero_terminal_snr=true"}
 source benchmarks/device/install_wheels.sh || exit 1

@@ -1,7 +1,7 @@
 """×4 upscalers against bicubic and nearest on kshapes validation pairs: PSNR (whole image and near
 edges, where an upscaler can win) and a grid of edge crops (nearest | bicubic | each upscaler | truth).
 
-    python benchmarks/kshapes_upscaler_eval.py --data DIR --upscalers old=rapiddiff/assets/model new=runs/up \\
+    python benchmarks/kshapes_upscaler_eval.py --data DIR --upscalers old=rapiddiff/assets/kshapes new=runs/up \\
         --out OUT [--n 100] [--device cuda]
 
 DIR is a `rapiddiff data kshapes` folder (val/ and hr/val/ hold the same file names at 1× and 4×).

@@ -11,7 +11,7 @@ decodes it, and reports:
 - the latents' std (what ``scaling_factor`` should undo: the LDM recipe sets it to 1 / std) and
   the folder's ``scaling_factor``.
 
-    python benchmarks/kshapes_vae_recon.py --vae rapiddiff/assets/model/vae --n 300 --out DIR
+    python benchmarks/kshapes_vae_recon.py --vae rapiddiff/assets/kshapes/vae --n 300 --out DIR
 
 Results: DIR/kshapes_vae_recon.{json,md} and DIR/kshapes_vae_recon.png (pairs: render | reconstruction).
 """

@@ -34,8 +34,8 @@ fi
 # the carried draws completed with the shipped VAE and upscaler (the same files), and the tables
 PREP="for d in $draws; do
   [ \$d = u0 ] && continue
-  cp -r .wt/draws/\$d /tmp/ka/draw_\$d && cp -r rapiddiff/assets/model/upscaler /tmp/ka/draw_\$d/ &&
-    cp rapiddiff/assets/model/vae/diffusion_pytorch_model.safetensors /tmp/ka/draw_\$d/vae/ || exit 1
+  cp -r .wt/draws/\$d /tmp/ka/draw_\$d && cp -r rapiddiff/assets/kshapes/upscaler /tmp/ka/draw_\$d/ &&
+    cp rapiddiff/assets/kshapes/vae/diffusion_pytorch_model.safetensors /tmp/ka/draw_\$d/vae/ || exit 1
 done
 for t in $tables; do
   python benchmarks/kshapes_weak_cells.py write --train /tmp/ka/data/train --weak benchmarks/kshapes_weak_cells.json \

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
-    from rapiddiff.models.bundle import builtin_model_dir
+    from rapiddiff.models.builtin import builtin_model_dir
     from rapiddiff.models.token_merge import TokenMerge, check_ratio
 
     dc = _deep_cache_script()
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else builtin_model_dir()
+    model = Path(args.model) if args.model else builtin_model_dir("kshapes")
     pipe = RapidDiffusionPipeline.from_pretrained(model)
     controller = TokenMerge.of(pipe.unet)
     rows = dc.prompts(args.prompts)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-BUILTIN = REPO / "rapiddiff" / "assets" / "model"
+BUILTIN = REPO / "rapiddiff" / "assets" / "kshapes"
 FAST_DATA = {"cache_latents": True, "speed": {"gpu_data": True}}
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},

@@ -22,7 +22,7 @@ for n in 1 2; do
         --out "$OUT_DIR/k$n" --scenes chain_off --variants all,all+sync10 --devices $n 2>&1 | grep -E "^\||rror"
 done
 
-COMMON=(--config configs/unet/kshapes.yaml --model.pretrained=rapiddiff/assets/model --data.train=$DATA/train
+COMMON=(--config configs/unet/kshapes.yaml --model.pretrained=rapiddiff/assets/kshapes --data.train=$DATA/train
     --data.val=null --data.num_workers=2 --trainer.val_check_interval=null --trainer.logger=false
     --trainer.enable_progress_bar=false --samples.every_n_steps=100000 --samples.at_end=false
     --checkpoint.every_n_train_steps=5 --model.ema=null --trainer.strategy=fsdp --trainer.devices=2)

@@ -355,7 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "beside two real styles' distance (OUT/emoji.md, OUT/metrics/emoji.json, OUT/grid_<split>.png)."
     )
     parser.add_argument(
-        "--model", type=Path, help="model folder (default: the built-in model, as in generate)"
+        "--model",
+        default="builtin:emoji",
+        help="model folder trained on emoji data, or builtin:NAME (default: builtin:emoji, the built-in emoji model)",
     )
     parser.add_argument("--data", required=True, type=Path, help="folder from `rapiddiff data emoji`")
     parser.add_argument("--judge", required=True, type=Path, help="folder from `rapiddiff eval judge-train`")
@@ -382,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     splits = parse_choices(args.splits, SPLITS, "--splits", "split")
     modes = parse_choices(args.modes, MODES, "--modes", "mode")
     judge = load_judge(args.judge, device=resolve_device(args.device))  # before the model: fail fast
-    args.model = resolve_model_dir(str(args.model) if args.model else None)
+    args.model = resolve_model_dir(str(args.model))
     if not args.model.is_dir():
         raise FileNotFoundError(f"model folder not found: {args.model}")
     pipe = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)

@@ -593,8 +593,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        type=Path,
-        help="model folder trained on kshapes (default: the built-in model, or $RAPIDDIFF_MODEL, as in generate)",
+        default="builtin:kshapes",
+        help="model folder trained on kshapes, or builtin:NAME (default: builtin:kshapes, the built-in kshapes "
+        "model, whichever built-in model generate uses by default)",
     )
     parser.add_argument(
         "--kshapes", required=True, type=Path, help="folder from `rapiddiff data kshapes` (its prompts.jsonl)"
@@ -635,10 +636,10 @@ def run(args: argparse.Namespace) -> int:
             if len(by_split[row["split"]]) < args.limit:
                 by_split[row["split"]].append(row)
         prompts = [r for s in splits for r in by_split[s]]
-    # Without --model: the built-in model (a kshapes model), resolved as generate and serve do.
+    # builtin:NAME resolved as generate and serve do
     from rapiddiff.infer.generate_cli import resolve_model_dir
 
-    args.model = resolve_model_dir(str(args.model) if args.model else None)
+    args.model = resolve_model_dir(str(args.model))
     if not args.model.is_dir():
         raise FileNotFoundError(f"model folder not found: {args.model}")
     pipe = load_pipeline(args.model, device=args.device, dtype=args.dtype, fast=args.fast)

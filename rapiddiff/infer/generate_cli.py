@@ -22,7 +22,9 @@ _LIBRARY = SamplingDefaults()  # the fallback when a model folder names no sampl
 
 EPILOG = """examples:
   rapiddiff generate "浅蓝色背景上有一个番茄"
-  rapiddiff generate "一只熊猫" --model runs/kshapes-model --num-images 4 --seed 7 --out out/
+  rapiddiff generate "一只熊猫" --model builtin:kshapes --num-images 4 --seed 7 --out out/
+  rapiddiff generate "一只熊猫" --model runs/my-model    # a model folder of your own
+  rapiddiff generate --list-models                       # the built-in models, by name
   rapiddiff generate --prompts prompts.txt --scheduler dpm++ --steps 25 --no-upscale
   rapiddiff generate --from-png out/00001-7.png          # the same image again
   rapiddiff generate "红色的番茄" --init-image photo.png --strength 0.6           # img2img
@@ -34,13 +36,15 @@ EPILOG = """examples:
 Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size, model,
 upscaler file, LoRAs and init image / mask (path + sha256) in text chunks; --from-png reads them
 back (flags given on the command line override them) and refuses an init image that changed.
-Without --model, the built-in model in rapiddiff/assets/model/ is used (or $RAPIDDIFF_MODEL).
+Without --model (or with --model builtin) the default built-in model is used ($RAPIDDIFF_MODEL
+replaces it); --model builtin:NAME picks a built-in model by name. A PNG made by a built-in model
+records it as builtin:NAME, so --from-png remakes it with that model whatever the default is.
 """
 
 
 def default_model_dir() -> Path:
-    """The model used without --model: $RAPIDDIFF_MODEL, else the one shipped in the package."""
-    from rapiddiff.models.bundle import builtin_model_dir
+    """The model used without --model: $RAPIDDIFF_MODEL, else the default built-in model."""
+    from rapiddiff.models.builtin import builtin_model_dir
 
     return builtin_model_dir()
 
@@ -58,14 +62,17 @@ def default_knowledge_mode() -> str | None:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    if model:
+    """--model as given (a folder, ``builtin``, ``builtin:NAME`` or None) → the model folder."""
+    from rapiddiff.models.builtin import is_builtin_spec, resolve_model
+
+    if model and not is_builtin_spec(model):
         return Path(model)
-    path = default_model_dir()
+    path = resolve_model(model)
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(
-            f"no built-in model in this installation ({path} is missing; it is trained with the "
-            "kshapes recipe and shipped in released packages). Pass --model DIR: a rapiddiff model "
-            "folder, a diffusers Stable Diffusion 1.x folder or a Taiyi-style folder"
+            f"no built-in model in this installation ({path} is missing; the built-in models ship "
+            "in released packages). Pass --model DIR: a rapiddiff model folder, a diffusers Stable "
+            "Diffusion 1.x folder or a Taiyi-style folder"
         )
     return path
 
@@ -94,7 +101,17 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--from-png", metavar="FILE", help="regenerate from the settings stored in a PNG made by rapiddiff"
     )
-    parser.add_argument("--model", metavar="DIR", help="model folder (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        metavar="DIR|builtin:NAME",
+        help="model folder, or builtin:NAME for a built-in model (default: the default built-in model; "
+        "--list-models names them)",
+    )
+    parser.add_argument(
+        "--list-models",
+        action="store_true",
+        help="list the built-in models (entities, size, licence) and exit",
+    )
     parser.add_argument("--negative", metavar="TEXT", help="negative prompt (what to steer away from)")
     parser.add_argument(
         "--steps",
@@ -201,7 +218,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         choices=["embed", "text", "both", "off"],
         help="how KG knowledge enters: embed (fused TransE vectors), text (the entities' facts spelled "
         "into the prompt), both, or off (= --no-knowledge). Default: the model's own mode (saved in its "
-        f"text_encoder/rapiddiff_encoder.json; the built-in model's: {default_knowledge_mode() or 'embed'})",
+        f"text_encoder/rapiddiff_encoder.json; the default built-in model's: {default_knowledge_mode() or 'embed'})",
     )
     parser.add_argument(
         "--no-grid", action="store_true", help="do not write a grid image when several images are made"
@@ -322,7 +339,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
 def _from_png(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str | None]:
     """The prompt, kwargs and model folder a PNG's settings give; fills --upscaler and --lora
     from it where the command line gives none."""
-    from rapiddiff.infer.png import generation_kwargs, read_png_metadata
+    from rapiddiff.infer.png import generation_kwargs, read_png_metadata, recorded_model
 
     meta = read_png_metadata(args.from_png)
     if not meta:
@@ -333,7 +350,7 @@ def _from_png(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
         args.upscaler = meta["upscaler"]
     if not args.lora and meta.get("lora"):
         args.lora = [f"{item['path']}:{item['scale']}" for item in meta["lora"]]
-    return prompts, kwargs, meta.get("model_path")
+    return prompts, kwargs, recorded_model(meta)
 
 
 def _knowledge_and_approximations(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
@@ -352,6 +369,23 @@ def _knowledge_and_approximations(args: argparse.Namespace, kwargs: dict[str, An
         kwargs["token_merge"] = check_ratio(args.token_merge, "--token-merge")
 
 
+def _model_for(model: str | None, png_model: str | None) -> Path:
+    """The --model folder; without one, the model a --from-png image names (``builtin:NAME``, or
+    its folder's path), else the default."""
+    if model is None and png_model:
+        try:
+            path = resolve_model_dir(png_model)
+        except (ValueError, FileNotFoundError) as err:  # a built-in this installation lacks
+            log.warning(
+                "the model the PNG names (%s) is not here (%s); using the default model", png_model, err
+            )
+        else:
+            if path.is_dir():
+                return path
+            log.warning("the model the PNG names (%s) is not here; using the default model", png_model)
+    return resolve_model_dir(model)
+
+
 def use_fast_path(times_asked: int, device: Any) -> bool:
     """Whether ``--fast`` (given ``times_asked`` times) runs the fast path on ``device``. On a CPU it is
     many times slower than eager (compiling, no CUDA graphs to amortise it): once warns and runs
@@ -368,17 +402,17 @@ def use_fast_path(times_asked: int, device: Any) -> bool:
 def run(args: argparse.Namespace) -> int:
     from rapiddiff.utils.device import resolve_device, resolve_dtype
 
+    if args.list_models:
+        from rapiddiff.models.builtin import list_builtins
+
+        print("\n".join(list_builtins()) or "no built-in models in this installation")
+        return 0
     prompts, kwargs, png_model = _settings(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
     check_writable(out)
-    if args.model is None and png_model and Path(png_model).is_dir():
-        model_dir = Path(png_model)
-    else:
-        if args.model is None and png_model:
-            log.warning("the model the PNG names (%s) is not here; using the default model", png_model)
-        model_dir = resolve_model_dir(args.model)
+    model_dir = _model_for(args.model, png_model)
     if args.aoti and not args.fast:
         raise ValueError("--aoti needs --fast (the packages replace the fast path's torch.compile)")
     fast = use_fast_path(args.fast, device)

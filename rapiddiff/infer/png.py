@@ -161,6 +161,20 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
     return kwargs
 
 
+def recorded_model(meta: dict[str, Any]) -> str | None:
+    """The model an image names: ``builtin:NAME`` for a built-in model (found by name, whatever the
+    default is now and wherever the package is installed), else its folder's absolute path."""
+    from rapiddiff.models.builtin import is_builtin_spec
+
+    model, path = meta.get("model"), meta.get("model_path")
+    if is_builtin_spec(model):
+        return str(model)
+    # Images from before the built-in models had names: the one built-in then lived in assets/model.
+    if path and Path(path).parts[-3:] == ("rapiddiff", "assets", "model"):
+        return "builtin:kshapes"
+    return path
+
+
 def _checked_source(meta: dict[str, Any], key: str, where: str | Path) -> str:
     """The recorded init image / mask path, if the file is still the one the image was made from."""
     from rapiddiff.utils.io import file_sha256

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rapiddiff.models.builtin import model_id
 from rapiddiff.models.geometry import ImageGeometry
 from rapiddiff.models.weights import diagnose
 from rapiddiff.utils.io import atomic_write_text, read_json_object
@@ -74,7 +75,8 @@ class ModelBundle(ImageGeometry):
 
     @property
     def name(self) -> str:
-        return self.path.name if self.path is not None else "model"
+        """``builtin:NAME`` for a built-in model, else the folder's name (what PNGs record)."""
+        return model_id(self.path) if self.path is not None else "model"
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ModelBundle:
         """Move every part to ``device``/``dtype`` (in place); returns the bundle."""
@@ -89,18 +91,6 @@ class ModelBundle(ImageGeometry):
         check_parts(
             self.unet, self.vae, self.text_encoder, where=f"model folder {self.path}: " if self.path else ""
         )
-
-
-def builtin_model_dir() -> Path:
-    """The built-in model: ``$RAPIDDIFF_MODEL``, else the one shipped in the package
-    (``rapiddiff/assets/model``). ``rapiddiff generate`` without --model and ``pretrained: builtin``
-    in fine-tuning both use it."""
-    env = os.environ.get("RAPIDDIFF_MODEL")
-    if env:
-        return Path(env)
-    import rapiddiff
-
-    return Path(rapiddiff.__file__).parent / "assets" / "model"
 
 
 def check_model_folder(path: Path) -> None:

@@ -12,7 +12,8 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 EPILOG = """examples:
-  rapiddiff serve                                   # the built-in model on http://127.0.0.1:7860
+  rapiddiff serve                                   # the default built-in model on http://127.0.0.1:7860
+  rapiddiff serve --model builtin:kshapes           # a built-in model by name (rapiddiff generate --list-models)
   rapiddiff serve --model runs/kshapes-model --fast --devices 0,1 --max-batch 8
   rapiddiff serve --ray --replicas-per-gpu 1 --max-replicas 8   # on a Ray cluster (ray start ... first)
 
@@ -37,7 +38,11 @@ def _warmup_size(text: str) -> tuple[int, int]:
 def register(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
-    parser.add_argument("--model", metavar="DIR", help="model folder (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        metavar="DIR|builtin:NAME",
+        help="model folder, or builtin:NAME for a built-in model (default: the default built-in model)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     parser.add_argument(

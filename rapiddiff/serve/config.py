@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rapiddiff.models.builtin import is_builtin_spec
+
 SIZE_FORM = '"WIDTHxHEIGHT" (width first, as OpenAI\'s size), e.g. "256x128" for 256 wide and 128 high'
 _SIZE = re.compile(r"\s*(\d+)\s*(?:[xX×*]\s*(\d+))?\s*")
 
@@ -14,8 +16,9 @@ _SIZE = re.compile(r"\s*(\d+)\s*(?:[xX×*]\s*(\d+))?\s*")
 class ServeConfig:
     """Settings of one ``rapiddiff serve`` process (or of one Ray Serve replica)."""
 
-    model: Path | None = None
-    """Model folder; ``None`` is the built-in model (or ``$RAPIDDIFF_MODEL``), as in ``rapiddiff generate``."""
+    model: Path | str | None = None
+    """Model folder, or ``builtin:NAME`` for a built-in model; ``None`` (or ``builtin``) is the
+    default built-in model (or ``$RAPIDDIFF_MODEL``), as in ``rapiddiff generate``."""
     devices: list[str] = field(default_factory=lambda: ["auto"])
     """One model copy and one worker thread per entry: ``auto``, ``cpu``, ``cuda:0``, ``cuda:1``, ..."""
     dtype: str = "auto"
@@ -77,7 +80,7 @@ class ServeConfig:
             raise ValueError(
                 f"default_steps must be in 1..max_steps ({self.max_steps}), got {self.default_steps}"
             )
-        if self.model is not None:
+        if self.model is not None and not is_builtin_spec(self.model):
             self.model = Path(self.model)
 
 

@@ -22,7 +22,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,9 +171,22 @@ def plan_calls(rows: int, buckets: list[int], seconds: dict[int, float] | None =
 
 
 def served_model_name(config: ServeConfig) -> str:
-    """The id ``/v1/models`` lists and the page shows: ``builtin`` for the built-in model (the name
-    ``pretrained: builtin`` and ``finetune merge --base builtin`` use), else the folder's name."""
-    return Path(config.model).resolve().name if config.model is not None else "builtin"
+    """The id ``/v1/models`` lists and the page shows: ``builtin:NAME`` for a built-in model (the
+    name ``--model``, ``pretrained:`` and ``finetune merge --base`` take), else the folder's name."""
+    from rapiddiff.infer.generate_cli import resolve_model_dir
+    from rapiddiff.models.builtin import model_id
+
+    return model_id(resolve_model_dir(str(config.model) if config.model else None))
+
+
+def served_model_aliases(config: ServeConfig) -> tuple[str, ...]:
+    """Other ids a request may name the served model by: ``builtin`` while it is the default
+    built-in model (the id this server gave it before the built-in models had names)."""
+    from rapiddiff.infer.generate_cli import resolve_model_dir
+    from rapiddiff.models.builtin import builtin_model_dir
+
+    served = resolve_model_dir(str(config.model) if config.model else None).resolve()
+    return ("builtin",) if served == builtin_model_dir().resolve() else ()
 
 
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
@@ -200,6 +212,7 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
 
     return ModelLimits(
         name=served_model_name(config),
+        aliases=served_model_aliases(config),
         default_size=pipe.default_size,
         size_multiple=pipe.size_multiple,
         max_tokens=int(encoder.max_length),

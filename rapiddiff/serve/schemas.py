@@ -113,6 +113,7 @@ class ModelLimits:
     defaults: SamplingDefaults  # the folder's, with the server's --steps over its steps
     pipeline_kwargs: frozenset[str]  # the keyword arguments the pipeline's __call__ takes
     count_tokens: Any  # prompt → number of tokens the text encoder sees (with special tokens)
+    aliases: tuple[str, ...] = ()  # other ids requests may give for it ("builtin" for the default built-in)
 
 
 def decode_image(text: str, param: str) -> Any:
@@ -166,7 +167,7 @@ def _check_output(req: ImageRequest, limits: ModelLimits) -> None:
         raise ApiError(
             400, f'output_format "{req.output_format}": only "png" is served', param="output_format"
         )
-    if req.model not in (None, "", limits.name):
+    if req.model not in (None, "", limits.name, *limits.aliases):
         raise ApiError(
             404, f"model '{req.model}' is not served here; this server serves '{limits.name}' (GET /v1/models)",
             param="model", code="model_not_found",

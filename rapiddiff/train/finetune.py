@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rapiddiff.models.bundle import builtin_model_dir
+from rapiddiff.models.builtin import resolve_model
 from rapiddiff.models.lora import FUSION_FILE, INFO_FILE, LORA_WEIGHTS, TEXT_LORA_FILE
 from rapiddiff.train.data import ImageTextData
 from rapiddiff.train.lightning_cli import RapidCLI, run_cli
@@ -63,8 +63,9 @@ class LoraSettings:
 
 
 def _resolve_pretrained(pretrained: str) -> str:
-    """``builtin`` → the model `rapiddiff generate` uses without --model (the one rule, in models)."""
-    return str(builtin_model_dir()) if pretrained == "builtin" else pretrained
+    """``builtin`` → the model `rapiddiff generate` uses without --model, ``builtin:NAME`` → that
+    built-in model (the one rule, in models); a folder stays as given."""
+    return str(resolve_model(pretrained))
 
 
 _LORA = LoraSettings()
@@ -77,7 +78,8 @@ class FineTune(LatentDiffusion):
 
     Args:
         pretrained: the model folder to start from (rapiddiff, Taiyi or SD 1.x diffusers layout);
-            ``builtin``: the model shipped with rapiddiff (configs/finetune/kshapes.yaml).
+            ``builtin``: the default built-in model, ``builtin:NAME`` a built-in model by name
+            (``builtin:kshapes`` in configs/finetune/kshapes.yaml; `rapiddiff generate --list-models`).
         mode: "full" (train the parts outright; export a model folder) or "lora" (adapters only;
             export diffusers LoRA weights).
         lora: adapter rank, alpha, dropout and target modules (mode lora).
@@ -113,7 +115,7 @@ class FineTune(LatentDiffusion):
             **kwargs,
         )
         self.mode, self.lora_cfg, self.pretrained = mode, lora, pretrained
-        # The resolved folder, not "builtin": export reads its upscaler/ and sampling defaults from it.
+        # The resolved folder, not "builtin:NAME": export reads its upscaler/ and sampling defaults from it.
         self.hparams["pretrained"] = pretrained
         if mode == "lora":
             self._add_adapters(list(trainable), lora)
@@ -197,7 +199,7 @@ class FineTune(LatentDiffusion):
 
 def merge_lora(base: str | Path, lora: str | Path, out: str | Path, scale: float = 1.0) -> Path:
     """Fold a LoRA (a ``train finetune`` LoRA folder or a diffusers-format LoRA) into ``base`` and
-    write a full model folder to ``out`` (``base`` "builtin": the model shipped with rapiddiff).
+    write a full model folder to ``out`` (``base`` ``builtin`` or ``builtin:NAME``: a built-in model).
 
     The same code merges a LoRA at generation time (``pipe.load_lora`` → rapiddiff.models.lora),
     so the merged folder makes the images ``--lora`` makes. The base folder's knowledge/,
@@ -225,8 +227,8 @@ def _merge_main(args: list[str]) -> None:
     parser.add_argument(
         "--base",
         required=True,
-        help="the model folder the LoRA was trained on; builtin: the model shipped with rapiddiff "
-        "(as `pretrained: builtin` in a finetune config)",
+        help="the model folder the LoRA was trained on; builtin: the default built-in model, "
+        "builtin:NAME a built-in model by name (as `pretrained:` in a finetune config)",
     )
     parser.add_argument(
         "--lora",

@@ -337,7 +337,7 @@ def test_a_pack_between_rounds_carries_round_ones_encoders_and_only_preps_result
 
     from rapiddiff.models.text_encoder import KnowledgeTextEncoder
 
-    builtin = ROOT / "rapiddiff" / "assets" / "model"
+    builtin = ROOT / "rapiddiff" / "assets" / "kshapes"
     first = tmp_path / "first"
     for part in ("text_encoder", "tokenizer", "knowledge"):
         shutil.copytree(builtin / part, first / "unet_on" / part)

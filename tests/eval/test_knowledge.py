@@ -82,10 +82,7 @@ def test_prompt_file_errors(tmp_path):
         read_knowledge_prompts(tmp_path)
 
 
-def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, capsys, monkeypatch):
-    monkeypatch.setenv(
-        "RAPIDDIFF_MODEL", str(tiny_model)
-    )  # without --model: the built-in one, as in generate
+def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, capsys):
     kshapes = tmp_path / "kshapes"
     kshapes.mkdir()
     rows = _prompts()
@@ -95,6 +92,8 @@ def test_knowledge_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model, caps
         [
             "eval",
             "knowledge",
+            "--model",
+            str(tiny_model),
             "--kshapes",
             str(kshapes),
             "--out",

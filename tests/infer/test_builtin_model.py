@@ -1,9 +1,9 @@
-"""The built-in kshapes model that ships in the package (``rapiddiff/assets/model/``).
+"""The built-in kshapes model that ships in the package (``rapiddiff/assets/kshapes/``).
 
-These tests load the real model — what ``rapiddiff generate`` uses without ``--model``
-(``$RAPIDDIFF_MODEL`` overrides it) — and check that it draws a seen entity in the colour its
-knowledge graph gives — seen entities and held-out ones, known only through the KG — and that the
-CLI writes a reproducible PNG with it. A missing model FAILS:
+These tests load the real model by name (``builtin:kshapes``, whichever built-in model is the
+default) and check that it draws a seen entity in the colour its knowledge graph gives — seen
+entities and held-out ones, known only through the KG — and that the CLI writes a reproducible PNG
+with it, remade with kshapes after the default built-in model changed. A missing model FAILS:
 the model is part of the package, so its absence is a packaging bug, not an optional extra.
 """
 
@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 from rapiddiff.cli import main
-from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, default_model_dir, model_sampling_defaults
-from rapiddiff.infer.png import read_png_metadata
+from rapiddiff.infer.generate_cli import DEFAULT_SAMPLING, model_sampling_defaults
+from rapiddiff.infer.png import png_bytes, read_png_metadata
+from rapiddiff.models import builtin
 
 BACKGROUND = "灰色"  # one of the kshapes training backgrounds, far from every object colour
 SEEDS = (0, 1, 2)
@@ -31,13 +32,16 @@ MIN_BOTH = {"seen": 30, "heldout": 40}
 STEPS = 20  # PNDM (the shipped model's sampler); fewer leaves the colours of this small model unsettled (10 steps: ~1 in 3 right)
 
 
+MODEL = "builtin:kshapes"
+
+
 def _model_dir() -> Path:
-    path = default_model_dir()
+    path = builtin.assets_root() / "kshapes"
     if not (path / "model_index.json").is_file():
         pytest.fail(
             f"the built-in model is missing: {path}/model_index.json not found. It ships inside the "
-            "package (rapiddiff/assets/model/, trained by benchmarks/kshapes_chain.py); copy the "
-            "trained model folder there, or set RAPIDDIFF_MODEL to a model folder to test that one"
+            "package (rapiddiff/assets/kshapes/, trained by benchmarks/kshapes_chain.py); copy the "
+            "trained model folder there"
         )
     return path
 
@@ -47,7 +51,7 @@ def pipe():
     """The loaded model, or None when it is missing (the test itself then fails, not the fixture)."""
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
 
-    path = default_model_dir()
+    path = builtin.assets_root() / "kshapes"
     if not (path / "model_index.json").is_file():
         return None
     return RapidDiffusionPipeline.from_pretrained(path, device="cpu")
@@ -118,12 +122,12 @@ def test_entities_are_drawn_with_their_kg_colour_and_shape(pipe, split):
     )
 
 
-def test_generate_without_model_writes_a_reproducible_png(tmp_path):
+def test_generate_writes_a_reproducible_png(tmp_path):
     model_dir = _model_dir()
     prompt = f"{BACKGROUND}背景上有一个番茄"
     common = ["--steps", "2", "--device", "cpu", "--no-progress"]
     first, again = tmp_path / "first", tmp_path / "again"
-    assert main(["generate", prompt, "--seed", "7", "--out", str(first), *common]) == 0
+    assert main(["generate", prompt, "--model", MODEL, "--seed", "7", "--out", str(first), *common]) == 0
     files = sorted(first.glob("*.png"))
     assert [p.name for p in files] == ["00001-7.png"]
 
@@ -132,7 +136,7 @@ def test_generate_without_model_writes_a_reproducible_png(tmp_path):
     defaults = {**DEFAULT_SAMPLING, **model_sampling_defaults(model_dir)}
     assert meta["scheduler"] == defaults["scheduler"] and meta["guidance"] == defaults["guidance_scale"]
     assert meta["knowledge"] is True
-    assert Path(meta["model_path"]) == model_dir.resolve()
+    assert meta["model"] == MODEL and Path(meta["model_path"]) == model_dir.resolve()
     image = Image.open(files[0])
     base = meta["height"], meta["width"]
     if meta["upscale"]:  # on by default when the model has an upscaler (the built-in one does)
@@ -145,3 +149,47 @@ def test_generate_without_model_writes_a_reproducible_png(tmp_path):
     remade = sorted(again.glob("*.png"))
     assert [p.name for p in remade] == ["00001-7.png"]
     np.testing.assert_array_equal(np.asarray(Image.open(remade[0])), np.asarray(image))
+
+
+def test_an_image_is_remade_with_kshapes_after_the_default_changed(tmp_path, monkeypatch, tiny_model):
+    """A PNG names its built-in model as builtin:kshapes, so --from-png remakes it with kshapes once
+    another built-in model is the default, and on an installation where the folder it recorded is gone."""
+    kshapes = _model_dir()
+    common = ["--steps", "1", "--no-upscale", "--device", "cpu", "--no-progress"]
+    first = tmp_path / "first"
+    assert (
+        main(
+            [
+                "generate",
+                f"{BACKGROUND}背景上有一个番茄",
+                "--model",
+                MODEL,
+                "--seed",
+                "3",
+                "--out",
+                str(first),
+                *common,
+            ]
+        )
+        == 0
+    )
+    (made,) = first.glob("*.png")
+    meta = read_png_metadata(made)
+    moved = tmp_path / "moved.png"  # as made by an installation that is gone
+    moved.write_bytes(png_bytes(Image.open(made), {**meta, "model_path": str(tmp_path / "gone" / "kshapes")}))
+
+    assets = tmp_path / "assets"  # the package after an update: kshapes, and a new default built-in
+    assets.mkdir()
+    (assets / "kshapes").symlink_to(kshapes)
+    (assets / builtin.DEFAULT_BUILTIN).symlink_to(tiny_model)
+    monkeypatch.setattr(builtin, "assets_root", lambda: assets)
+    monkeypatch.delenv("RAPIDDIFF_MODEL", raising=False)
+    assert builtin.default_builtin() != "kshapes"
+
+    again, plain = tmp_path / "again", tmp_path / "plain"
+    assert main(["generate", "--from-png", str(moved), "--out", str(again), *common]) == 0
+    (remade,) = again.glob("*.png")
+    assert read_png_metadata(remade)["model"] == MODEL
+    np.testing.assert_array_equal(np.asarray(Image.open(remade)), np.asarray(Image.open(made)))
+    assert main(["generate", "x", "--out", str(plain), *common]) == 0  # no --model: the new default
+    assert read_png_metadata(next(plain.glob("*.png")))["model"] == f"builtin:{builtin.DEFAULT_BUILTIN}"

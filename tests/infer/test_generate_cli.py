@@ -14,6 +14,7 @@ from PIL import Image
 from rapiddiff.cli import main
 from rapiddiff.infer import generate_cli
 from rapiddiff.infer.png import read_png_metadata
+from rapiddiff.models import builtin
 from rapiddiff.models.presets import write_tiny_sd_folder
 
 FAST = ["--steps", "2", "--device", "cpu", "--no-progress"]
@@ -148,7 +149,7 @@ def test_unwritable_output_fails_before_loading(tmp_path, capsys):
 
 
 def test_missing_default_model_says_how_to_pass_one(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate_cli, "default_model_dir", lambda: tmp_path / "assets" / "model")
+    monkeypatch.setattr(builtin, "assets_root", lambda: tmp_path / "assets")  # a package without models
     assert main(["generate", "x", "--out", str(tmp_path), *FAST]) == 2
     err = capsys.readouterr().err
     assert "no built-in model" in err and "--model DIR" in err
@@ -249,3 +250,18 @@ def test_an_error_inside_the_batch_loop_prints_below_a_cleared_progress_bar(mode
     assert "images:" in err  # the bar was shown
     tail = err[err.rindex("images:") :]
     assert "\r" in tail and "guidance_scale must be a finite number" in tail.split("\r")[-1]
+
+
+def test_list_models_names_each_builtin_and_needs_no_prompt(capsys):
+    assert main(["generate", "--list-models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(builtin.builtin_names())
+    kshapes = next(line for line in lines if line.startswith("builtin:kshapes"))
+    assert "66 entities" in kshapes and " MB" in kshapes and "licence: Apache-2.0" in kshapes
+    assert sum("(default)" in line for line in lines) == 1
+
+
+def test_an_unknown_builtin_name_lists_the_valid_ones(tmp_path, capsys):
+    assert main(["generate", "x", "--model", "builtin:kshape", "--out", str(tmp_path), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'builtin:kshapes'" in err and "--list-models" in err

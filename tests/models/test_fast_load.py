@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rapiddiff.models.builtin import builtin_model_dir
 from rapiddiff.models.bundle import (
     _load_diffusers_part,
     _load_own_weights,
-    builtin_model_dir,
     diffusers_class,
     load_model_folder,
 )
@@ -51,7 +51,7 @@ def _assert_tensors_equal(mine: dict[str, torch.Tensor], other: dict[str, torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("part", "class_name"), PARTS)
 def test_builtin_parts_equal_diffusers_from_pretrained(part, class_name, dtype):
-    folder = builtin_model_dir()
+    folder = builtin_model_dir("kshapes")
     # The built-in model ships inside the package: missing, it is a packaging bug, not a skip.
     assert (folder / "model_index.json").is_file(), f"the built-in model is missing from {folder}"
     ours = _load_own_weights(
@@ -88,7 +88,7 @@ def test_text_tower_equals_transformers_from_pretrained(where, tiny_model):
     from rapiddiff.models.text_encoder import _TEXT_MODEL_MODULES, load_text_model
     from rapiddiff.utils.imports import import_module
 
-    folder = builtin_model_dir() if where == "builtin" else tiny_model
+    folder = builtin_model_dir("kshapes") if where == "builtin" else tiny_model
     assert (folder / "text_encoder" / "model.safetensors").is_file(), f"no text tower weights in {folder}"
     cls = import_module(_TEXT_MODEL_MODULES["BertModel"]).BertModel
     theirs = cls.from_pretrained(str(folder / "text_encoder"), add_pooling_layer=False)

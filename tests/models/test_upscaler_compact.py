@@ -204,12 +204,15 @@ def test_own_compact_file_loads_as_spandrels_registry_loads_it(monkeypatch, tmp_
     CompactArch directly, without spandrel's registry: the same module (weights, dtype, base,
     scale, outputs) as through ``ModelLoader``'s detection. Other files still go through it."""
     from rapiddiff.models import upscaler as upscaler_module
-    from rapiddiff.models.bundle import builtin_model_dir
+    from rapiddiff.models.builtin import builtin_model_dir
 
     torch.manual_seed(1)
     net = build_compact(num_feat=8, num_conv=3, base=base)
     torch.nn.init.normal_(net.body[-1].weight, std=0.05)
-    files = [save_upscaler(net, tmp_path / "up"), builtin_model_dir() / "upscaler" / "upscaler.safetensors"]
+    files = [
+        save_upscaler(net, tmp_path / "up"),
+        builtin_model_dir("kshapes") / "upscaler" / "upscaler.safetensors",
+    ]
     direct = [load_upscaler(f) for f in files]
     calls = []
     monkeypatch.setattr(upscaler_module, "_load_own_compact", lambda *a: calls.append(a))  # → None
@@ -237,9 +240,9 @@ def test_own_compact_file_loads_without_spandrels_registry(tmp_path):
     code = textwrap.dedent(
         """
         import json, sys
-        from rapiddiff.models.bundle import builtin_model_dir
+        from rapiddiff.models.builtin import builtin_model_dir
         from rapiddiff.models.upscaler import load_upscaler
-        net = load_upscaler(builtin_model_dir() / "upscaler")
+        net = load_upscaler(builtin_model_dir("kshapes") / "upscaler")
         others = sorted(m for m in sys.modules if m.startswith("spandrel.architectures.") and ".Compact" not in m)
         import spandrel
         from spandrel import MAIN_REGISTRY, ModelLoader

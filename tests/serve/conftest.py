@@ -21,9 +21,11 @@ import pytest
 
 import rapiddiff
 
-MODEL = Path(rapiddiff.__file__).parent / "assets" / "model"
+# The serve tests run on the built-in kshapes model by name (small, and its prompts are theirs),
+# whichever built-in model is the default.
+MODEL = "builtin:kshapes"
 # Few steps and no upscaling: about a second an image on CPU.
-FAST_FLAGS = ["--steps", "2", "--no-upscale"]
+FAST_FLAGS = ["--model", MODEL, "--steps", "2", "--no-upscale"]
 
 
 def free_port() -> int:
@@ -76,7 +78,7 @@ def serve_process(*flags: str, log: Path) -> Iterator[tuple[str, subprocess.Pope
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One `rapiddiff serve` for the API tests: built-in model, batches of up to 4, 400 ms wait."""
+    """One `rapiddiff serve` for the API tests: builtin:kshapes, batches of up to 4, 400 ms wait."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with serve_process(*FAST_FLAGS, "--max-batch", "4", "--max-wait-ms", "400", log=log) as (url, _):
         yield url

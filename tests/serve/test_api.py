@@ -14,7 +14,7 @@ from PIL import Image
 
 from rapiddiff.cli import main as cli_main
 
-from .conftest import metric
+from .conftest import MODEL, metric
 
 PROMPTS = ["蓝色背景上有一个番茄", "一只熊猫", "红色的圆形", "绿色背景上有一个香蕉"]
 
@@ -27,9 +27,18 @@ def png_meta(data: bytes) -> dict:
 def cli_pngs(tmp_path, name: str, *args: str) -> list[bytes]:
     """`rapiddiff generate` with the server's defaults (2 steps, no upscale); the PNGs' bytes in order."""
     out = tmp_path / name
-    code = cli_main(
-        ["generate", *args, "--steps", "2", "--no-upscale", "--no-grid", "--no-progress", "--out", str(out)]
-    )
+    flags = [
+        "--model",
+        MODEL,
+        "--steps",
+        "2",
+        "--no-upscale",
+        "--no-grid",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    code = cli_main(["generate", *args, *flags])
     assert code == 0
     return [p.read_bytes() for p in sorted(out.glob("*.png"))]
 
@@ -37,7 +46,7 @@ def cli_pngs(tmp_path, name: str, *args: str) -> list[bytes]:
 def test_openai_client_works_unchanged(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", timeout=120, max_retries=0)
-    assert [m.id for m in client.models.list()] == ["builtin"]  # the model's name, not "model"
+    assert [m.id for m in client.models.list()] == [MODEL]  # the built-in model's name, not "model"
     result = client.images.generate(
         prompt="蓝色背景上有一个番茄", n=2, size="128x128", response_format="b64_json"
     )
@@ -107,9 +116,9 @@ def test_httpx_image_is_the_clis_image_byte_for_byte(server, tmp_path):
 def test_health_ready_models_settings_link(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server}/ready").json()["status"] == "ready"
-    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == "builtin"
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
     settings = httpx.get(f"{server}/v1/settings").json()
-    assert settings["model"] == "builtin"
+    assert settings["model"] == MODEL
     assert settings["size_multiple"] == 32 and settings["defaults"]["steps"] == 2
     linked = httpx.post(f"{server}/v1/link", json={"prompt": "蓝色背景上有一个番茄"}).json()
     assert [(s["surface"], s["start"], s["end"]) for s in linked["spans"]] == [

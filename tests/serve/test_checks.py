@@ -11,18 +11,19 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from rapiddiff.models.builtin import default_builtin
 from rapiddiff.models.sampling import SamplingDefaults
 from rapiddiff.serve import cli as serve_cli
 from rapiddiff.serve.app import create_app
 from rapiddiff.serve.config import ServeConfig, parse_size
-from rapiddiff.serve.engine import Engine, served_model_name
+from rapiddiff.serve.engine import Engine, served_model_aliases, served_model_name
 from rapiddiff.serve.schemas import ApiError, ImageRequest, ModelLimits, check_request
 
 
 def limits(**overrides: object) -> ModelLimits:
     """A model's limits as model_limits reads them, for a 128² model of multiples of 32."""
     fields: dict = {
-        "name": "builtin",
+        "name": "builtin:kshapes",
         "default_size": 128,
         "size_multiple": 32,
         "max_tokens": 32,
@@ -87,9 +88,21 @@ def test_warmup_size_takes_the_apis_width_by_height():
 
 
 def test_the_served_model_is_named_by_its_folder_or_builtin():
-    assert served_model_name(ServeConfig()) == "builtin"
+    default = f"builtin:{default_builtin()}"
+    assert served_model_name(ServeConfig()) == served_model_name(ServeConfig(model="builtin")) == default
+    assert served_model_name(ServeConfig(model="builtin:kshapes")) == "builtin:kshapes"
+    # "builtin", the id before the built-in models had names, still names the default one
+    assert served_model_aliases(ServeConfig()) == ("builtin",)
+    assert served_model_aliases(ServeConfig(model=Path("runs/kshapes-model"))) == ()
     assert served_model_name(ServeConfig(model=Path("runs/kshapes-model"))) == "kshapes-model"
     assert served_model_name(ServeConfig(model=Path("runs/kshapes-model/"))) == "kshapes-model"
+
+
+def test_a_request_may_name_the_model_by_an_alias():
+    with pytest.raises(ApiError) as err:
+        check_request(ImageRequest(prompt="x", model="builtin"), limits(), ServeConfig())
+    assert err.value.status == 404 and "builtin:kshapes" in str(err.value)
+    check_request(ImageRequest(prompt="x", model="builtin"), limits(aliases=("builtin",)), ServeConfig())
 
 
 def test_a_model_that_fails_to_load_fails_health_with_the_reason():

@@ -17,7 +17,7 @@ from rapiddiff.serve.engine import Engine, batch_buckets, encode_png, load_pipel
 from rapiddiff.serve.metrics import quantile
 from rapiddiff.serve.schemas import ApiError, ImageRequest
 
-from .conftest import FAST_FLAGS, metric, serve_in_thread, serve_process
+from .conftest import FAST_FLAGS, MODEL, metric, serve_in_thread, serve_process
 
 POISON = "💥"
 HOLD = "⏸"
@@ -49,7 +49,12 @@ def recorded():
     calls: list = []
     gate = threading.Event()
     config = ServeConfig(
-        devices=["cpu", "cpu"], default_steps=2, default_upscale=False, max_batch=4, max_wait_ms=500
+        model=MODEL,
+        devices=["cpu", "cpu"],
+        default_steps=2,
+        default_upscale=False,
+        max_batch=4,
+        max_wait_ms=500,
     )
 
     def loader(cfg, device):
@@ -212,7 +217,13 @@ def test_fast_batches_run_as_the_quickest_warmed_up_sizes():
     are set by the test."""
     calls: list = []
     config = ServeConfig(
-        devices=["cpu"], fast=True, max_batch=4, default_steps=1, default_upscale=False, max_wait_ms=100
+        model=MODEL,
+        devices=["cpu"],
+        fast=True,
+        max_batch=4,
+        default_steps=1,
+        default_upscale=False,
+        max_wait_ms=100,
     )
     eager = load_pipeline(dataclasses.replace(config, fast=False), "cpu")
     engine = Engine(config, loader=lambda cfg, device: RecordingPipeline(eager, calls))
@@ -280,8 +291,8 @@ def test_a_served_lora_is_merged_into_the_model(tiny_folders, diffusers_lora):
 
 @pytest.fixture(scope="module")
 def builtin_pipe():
-    """The built-in model on the CPU, loaded once for the engine tests below (each builds its engine)."""
-    return load_pipeline(ServeConfig(devices=["cpu"]), "cpu")
+    """The built-in kshapes model on the CPU, loaded once for the engine tests below (each builds its engine)."""
+    return load_pipeline(ServeConfig(model=MODEL, devices=["cpu"]), "cpu")
 
 
 def run_engine(
@@ -308,7 +319,7 @@ def run_engine(
 
 
 def quick(**kwargs) -> ServeConfig:
-    return ServeConfig(devices=["cpu"], default_steps=1, default_upscale=False, **kwargs)
+    return ServeConfig(model=MODEL, devices=["cpu"], default_steps=1, default_upscale=False, **kwargs)
 
 
 def test_a_lone_request_does_not_wait_for_company(builtin_pipe):

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .conftest import MODEL
+
 CHROMIUM = next(
     (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None
 )
@@ -120,7 +122,7 @@ def test_page_generates_and_shows_images_with_entities(server, tmp_path):
         tab.call("Page.navigate", url=f"{server}/")
         # The form fills from /v1/settings and the linker highlights the default prompt's entities.
         tab.wait_for("document.querySelectorAll('#size option').length > 0", timeout=60)
-        assert tab.js("document.getElementById('model').textContent") == "model: builtin"
+        assert tab.js("document.getElementById('model').textContent") == f"model: {MODEL}"
         tab.js("""(() => { const p = document.getElementById('prompt');
                   p.value = '绿色背景上有一个番茄和香蕉'; p.dispatchEvent(new Event('input')); })()""")
         marked = tab.wait_for(

@@ -15,7 +15,7 @@ from PIL import Image
 
 from rapiddiff.serve.config import ServeConfig
 
-from .conftest import free_port, wait_ready
+from .conftest import MODEL, free_port, wait_ready
 
 pytest.importorskip("ray.serve", reason="Ray Serve is optional: pip install 'rapiddiff[ray]'")
 
@@ -42,7 +42,7 @@ def test_ray_serve_deployment_answers_like_the_server(tmp_path, monkeypatch):
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ServeConfig(default_steps=2, default_upscale=False)
+        config = ServeConfig(model=MODEL, default_steps=2, default_upscale=False)
         app = build_deployment(config, gpus=False, min_replicas=1, max_replicas=1)
         serve.run(app, name="rapiddiff", route_prefix="/")
         url = f"http://127.0.0.1:{port}"

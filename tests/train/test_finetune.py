@@ -107,10 +107,13 @@ def test_merge_names_a_missing_lora(tmp_path: Path) -> None:
 
 
 def test_builtin_start_carries_its_upscaler_and_defaults_into_the_export() -> None:
-    """``pretrained: builtin`` is resolved before export reads the start folder's upscaler/ and
-    rapiddiff.json (it once looked for a folder named "builtin" and exported without an upscaler)."""
-    from rapiddiff.models.bundle import builtin_model_dir
+    """``pretrained: builtin:kshapes`` is resolved before export reads the start folder's upscaler/
+    and rapiddiff.json (it once looked for a folder named "builtin" and exported without an upscaler)."""
+    from rapiddiff.models.builtin import builtin_model_dir
 
-    module = finetune.FineTune(pretrained="builtin", mode="full", ema=None)
-    assert module.hparams["pretrained"] == str(builtin_model_dir())
+    module = finetune.FineTune(pretrained="builtin:kshapes", mode="full", ema=None)
+    assert module.hparams["pretrained"] == str(builtin_model_dir("kshapes"))
     assert base_upscaler(module) is not None
+    # plain ``builtin`` is the default built-in model (or $RAPIDDIFF_MODEL), a folder stays a folder
+    assert finetune._resolve_pretrained("builtin") == str(builtin_model_dir())
+    assert finetune._resolve_pretrained("runs/model") == "runs/model"

@@ -7,7 +7,7 @@ from rapiddiff.train.finetune import cli_main
 
 
 def test_merge_base_builtin_is_the_builtin_model(tiny_folders, diffusers_lora, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAPIDDIFF_MODEL", str(tiny_folders["clip"]))  # builtin_model_dir's override
+    monkeypatch.setenv("RAPIDDIFF_MODEL", str(tiny_folders["clip"]))  # plain `builtin`'s override
     out = tmp_path / "merged"
     cli_main(["merge", "--base", "builtin", "--lora", str(diffusers_lora), "--out", str(out)])
     merged, base = load_model_folder(out), load_model_folder(tiny_folders["clip"])

@@ -168,7 +168,7 @@ def _finetune(text: str) -> Callable[[Path, Path], list[str]]:
 
 
 def _finetune_builtin(tmp: Path, data: Path) -> list[str]:
-    # The real built-in model (rapiddiff/assets/model), as the preset names it: only sizes change.
+    # The real built-in model (builtin:kshapes), as the preset names it: only sizes change.
     return [
         "--model.sampling.num_inference_steps=2",
         "--model.sampling.seeds=[0]",
