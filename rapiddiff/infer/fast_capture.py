@@ -50,9 +50,13 @@ class LoopCache:
         self.device = next(unet.parameters()).device
         self.loops: dict[tuple, DenoiseLoop] = {}
 
-    def unet_fn(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, kv: Any) -> torch.Tensor:
+    def unet_fn(
+        self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, kv: Any, **extra: Any
+    ) -> torch.Tensor:
+        """The U-Net on (x, t, context), with the cached cross-attention K/V and ``extra`` U-Net
+        inputs (a ControlNet's residuals, on the eager loop) where given."""
         kwargs = {"cross_attention_kwargs": {"cross_kv": kv}} if kv is not None else {}
-        return self.unet(x, t, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
+        return self.unet(x, t, encoder_hidden_states=context, return_dict=False, **kwargs, **extra)[0]
 
     def kv_fn(self, context: torch.Tensor) -> Any:
         return cross_attention_kv(self.unet, context)

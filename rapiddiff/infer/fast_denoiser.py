@@ -73,6 +73,15 @@ class GraphDenoiser:
 
     def _why_eager(self, job: DenoiseJob) -> str | None:
         """Why this job cannot run on the GPU loop (None: it can)."""
+        if job.control is not None:
+            # The ControlNet is a second network per step, with per-net windows: the captured loop
+            # calls one U-Net function on static buffers and has no slot for it yet.
+            reason = (
+                "a ControlNet's residuals enter the U-Net at every step, which the captured loop does not run"
+            )
+            if self.report.status("controlnet").state != "fallback":  # reported (and warned) once
+                self.report.set("controlnet", fallback(reason, "eager loop on the transformed modules"))
+            return reason
         if job.inpaint is not None:
             return "inpainting blends a per-pixel mask into every step, which the loop's coefficient table cannot express"
         if job.step_kwargs.get("eta"):
@@ -140,8 +149,8 @@ class GraphDenoiser:
         self.backends.ensure(context.shape[0], h, w, context.shape[1])
         kv = self.loops.kv_fn(context) if self.config.cross_kv_cache else None
 
-        def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-            return self.loops.unet_fn(x, t, ctx, kv)
+        def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, **unet_kwargs: Any) -> torch.Tensor:
+            return self.loops.unet_fn(x, t, ctx, kv, **unet_kwargs)
 
         latents, images = job.run(model, self.vae, decode=decode, dtype=self.unet.dtype, unet=self.unet)
         return latents.float(), images
