@@ -93,11 +93,11 @@ def load_controlnet(
     if path.is_dir():
         _require_safetensors_folder(path, label)
         with explained(path, label):
-            net = ControlNetModel.from_pretrained(path, use_safetensors=True, torch_dtype=dtype)
+            net = ControlNetModel.from_pretrained(path, use_safetensors=True)
     else:
         if path.suffix != ".safetensors":
             _refuse_pickle(path, label)
-        kwargs: dict[str, Any] = {"torch_dtype": dtype, "local_files_only": True}
+        kwargs: dict[str, Any] = {"local_files_only": True}
         if (path.parent / "config.json").is_file():
             kwargs["config"] = str(path.parent)
         try:
@@ -110,7 +110,7 @@ def load_controlnet(
                 f"{label}: diffusers could not work out this checkpoint's config offline ({err}); put the "
                 "ControlNet's config.json beside the file, or give its diffusers folder instead"
             ) from err
-    return net.to(device=device).eval().requires_grad_(False)
+    return net.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def _require_safetensors_folder(path: Path, label: str) -> None:
