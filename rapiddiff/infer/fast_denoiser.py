@@ -73,15 +73,6 @@ class GraphDenoiser:
 
     def _why_eager(self, job: DenoiseJob) -> str | None:
         """Why this job cannot run on the GPU loop (None: it can)."""
-        if job.control is not None:
-            # The ControlNet is a second network per step, with per-net windows: the captured loop
-            # calls one U-Net function on static buffers and has no slot for it yet.
-            reason = (
-                "a ControlNet's residuals enter the U-Net at every step, which the captured loop does not run"
-            )
-            if self.report.status("controlnet").state != "fallback":  # reported (and warned) once
-                self.report.set("controlnet", fallback(reason, "eager loop on the transformed modules"))
-            return reason
         if job.inpaint is not None:
             return "inpainting blends a per-pixel mask into every step, which the loop's coefficient table cannot express"
         if job.step_kwargs.get("eta"):
@@ -89,6 +80,13 @@ class GraphDenoiser:
         plan = self.plan_for(job.scheduler, job.steps, job.start, not job.pure_noise)
         if isinstance(plan, str):
             return f"{type(job.scheduler).__name__}: {plan}"
+        if job.control is not None and plan.num_evaluations != len(job.timesteps):
+            # The control window counts the scheduler's timesteps; the loop, its evaluations.
+            reason = f"ControlNet: the loop's {plan.num_evaluations} evaluations are not the {len(job.timesteps)} timesteps"
+            self.report.set(
+                "controlnet", fallback(reason, "eager loop on the transformed modules"), quiet=True
+            )
+            return reason
         return None
 
     def __call__(self, job: DenoiseJob, *, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,8 +121,14 @@ class GraphDenoiser:
             job.deep_cache,
             job.guidance_rescale,
             job.token_merge,
+            tuple(tuple(image.shape) for image in job.control.images) if job.control is not None else (),
+            id(job.control.net) if job.control is not None else 0,
         )
-        loop = self.loops.get(plan, shape)
+        loop = self.loops.get(plan, shape, job.control.net if job.control is not None else None)
+        if job.control is not None:
+            assert loop.control is not None
+            loop.control.load(job.control)
+            self.report.set("controlnet", SwitchStatus("on", "in the loop"), quiet=True)
 
         def attempt() -> tuple[torch.Tensor, torch.Tensor | None]:
             with self._approximations(job, start):

@@ -298,15 +298,32 @@ def test_model_folder_controlnet_is_used(tiny_folders, nets, control_images, tmp
     torch.testing.assert_close(out.images, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_fast_path_falls_back_to_eager_with_the_same_image(tiny_folders, nets, control_images, one_net):
+@pytest.mark.parametrize("scheduler", ["pndm"])
+def test_fast_path_runs_the_controlnet_in_its_loop(tiny_folders, nets, control_images, scheduler):
+    """The GPU-resident loop (the one a CUDA graph captures; on a CPU it runs eagerly) with two
+    ControlNets, their windows and scales read from its buffers: the eager images, call after call."""
     from rapiddiff.infer.accelerate import AccelerateConfig, accelerate
 
-    spec = ControlSpec(control_images[0], control_guidance_end=0.5)
-    expected = _ours(one_net, 8, spec).images
+    eager = RapidDiffusionPipeline.from_pretrained(tiny_folders["clip"])
+    eager.load_controlnet(*nets)
     fast = RapidDiffusionPipeline.from_pretrained(tiny_folders["clip"])
-    fast.load_controlnet(nets[0])
-    accelerate(fast, AccelerateConfig.off(loop="resident", fuse_qkv=True, cross_kv_cache=True))
-    out = _ours(fast, 8, spec)
-    torch.testing.assert_close(out.images, expected, atol=1e-5, rtol=1e-5)
-    status = fast.report.status("controlnet")
-    assert status.state == "fallback" and "ControlNet" in status.reason, fast.report
+    fast.load_controlnet(*nets)
+    accelerate(fast, AccelerateConfig.off(loop="resident", cross_kv_cache=True))
+    calls = [
+        [ControlSpec(control_images[0], control_guidance_end=0.5), ControlSpec(control_images[1])],
+        [  # the same loop, other scales and windows: read from its buffers, nothing rebuilt
+            ControlSpec(control_images[1], controlnet_conditioning_scale=0.3),
+            ControlSpec(control_images[0], controlnet_conditioning_scale=1.4, control_guidance_start=0.25),
+        ],
+    ]
+    for specs in calls:
+        expected = _ours(eager, 8, specs, scheduler=scheduler).images
+        out = _ours(fast, 8, specs, scheduler=scheduler)
+        torch.testing.assert_close(out.images, expected, atol=1e-5, rtol=1e-5)
+    assert fast.report.status("controlnet").state == "on", fast.report
+    assert len(fast.denoiser.loops.loops) == 1
+    # Without control the same pipeline keeps its loop too (another shape: a loop of its own).
+    torch.testing.assert_close(
+        _ours(fast, 8, None, scheduler=scheduler).images, _ours(eager, 8, None, scheduler=scheduler).images,
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip

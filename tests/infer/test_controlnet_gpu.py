@@ -1,6 +1,6 @@
 """ControlNet on CUDA in half precision against diffusers' ``StableDiffusionControlNetPipeline`` on
-the same tiny weights and the same start latents (PSNR ≥ 35 dB), eager and on the fast path (which
-runs a controlled job on its eager loop over the transformed modules, and says so). Skipped without
+the same tiny weights and the same start latents (PSNR ≥ 35 dB), eager and on the fast path (the
+ControlNet inside the CUDA-graph-captured loop; the second call replays the graph). Skipped without
 CUDA::
 
     python -m pytest tests/infer/test_controlnet_gpu.py -q -m gpu
@@ -119,4 +119,5 @@ def test_fast_path_with_controlnet_matches_diffusers(setup, count):
     for _ in range(2):
         out = _ours(fast, setup, count)
         assert psnr(out.images, expected) >= 35, psnr(out.images, expected)
-    assert fast.report.status("controlnet").state == "fallback", fast.report
+    assert fast.report.status("controlnet").state == "on", fast.report  # inside the captured loop
+    assert fast.report.status("loop").value == "graph", fast.report
