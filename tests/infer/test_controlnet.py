@@ -308,7 +308,8 @@ def test_fast_path_runs_the_controlnet_in_its_loop(tiny_folders, nets, control_i
     eager.load_controlnet(*nets)
     fast = RapidDiffusionPipeline.from_pretrained(tiny_folders["clip"])
     fast.load_controlnet(*nets)
-    accelerate(fast, AccelerateConfig.off(loop="resident", cross_kv_cache=True))
+    switches = {"fuse_qkv": True, "cross_kv_cache": True, "channels_last": True, "batch_time_proj": True}
+    accelerate(fast, AccelerateConfig.off(loop="resident", **switches))  # every switch a CPU runs
     calls = [
         [ControlSpec(control_images[0], control_guidance_end=0.5), ControlSpec(control_images[1])],
         [  # the same loop, other scales and windows: read from its buffers, nothing rebuilt
