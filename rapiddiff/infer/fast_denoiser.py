@@ -80,6 +80,13 @@ class GraphDenoiser:
         plan = self.plan_for(job.scheduler, job.steps, job.start, not job.pure_noise)
         if isinstance(plan, str):
             return f"{type(job.scheduler).__name__}: {plan}"
+        if job.control is not None and plan.num_evaluations != len(job.timesteps):
+            # The control window counts the scheduler's timesteps; the loop, its evaluations.
+            reason = f"ControlNet: the loop's {plan.num_evaluations} evaluations are not the {len(job.timesteps)} timesteps"
+            self.report.set(
+                "controlnet", fallback(reason, "eager loop on the transformed modules"), quiet=True
+            )
+            return reason
         return None
 
     def __call__(self, job: DenoiseJob, *, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,8 +121,14 @@ class GraphDenoiser:
             job.deep_cache,
             job.guidance_rescale,
             job.token_merge,
+            tuple(tuple(image.shape) for image in job.control.images) if job.control is not None else (),
+            id(job.control.net) if job.control is not None else 0,
         )
-        loop = self.loops.get(plan, shape)
+        loop = self.loops.get(plan, shape, job.control.net if job.control is not None else None)
+        if job.control is not None:
+            assert loop.control is not None
+            loop.control.load(job.control)
+            self.report.set("controlnet", SwitchStatus("on", "in the loop"), quiet=True)
 
         def attempt() -> tuple[torch.Tensor, torch.Tensor | None]:
             with self._approximations(job, start):
@@ -140,8 +153,8 @@ class GraphDenoiser:
         self.backends.ensure(context.shape[0], h, w, context.shape[1])
         kv = self.loops.kv_fn(context) if self.config.cross_kv_cache else None
 
-        def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-            return self.loops.unet_fn(x, t, ctx, kv)
+        def model(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, **unet_kwargs: Any) -> torch.Tensor:
+            return self.loops.unet_fn(x, t, ctx, kv, **unet_kwargs)
 
         latents, images = job.run(model, self.vae, decode=decode, dtype=self.unet.dtype, unet=self.unet)
         return latents.float(), images

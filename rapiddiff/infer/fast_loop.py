@@ -16,12 +16,15 @@ check it against the diffusers scheduler loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rapiddiff.infer.fast_plan import ClippedDDIMPlan, LinearPlan, ddim_step
 from rapiddiff.models.sampling import rescale_guidance
+
+if TYPE_CHECKING:
+    from rapiddiff.models.controlnet import ControlConditioning
 
 UNetFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
@@ -43,6 +46,7 @@ class DenoiseLoop:
         decode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         graph: bool = False,
         guidance_rescale: float = 0.0,
+        control: LoopControl | None = None,
     ) -> None:
         if graph and device.type != "cuda":
             raise ValueError("graph=True needs a CUDA device")
@@ -67,6 +71,7 @@ class DenoiseLoop:
         self.images: torch.Tensor | None = None
         self.use_graph = graph
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.control = control  # a ControlNet evaluated before each U-Net call, on its own static buffers
 
     def run(self) -> None:
         """All steps (and the decode), reading and writing only the static buffers."""
@@ -97,7 +102,9 @@ class DenoiseLoop:
     def _guided(self, x_in: torch.Tensor, i: int, kv: Any) -> torch.Tensor:
         if self.guidance:
             x_in = torch.cat([x_in, x_in])
-        out = self.unet_fn(x_in, self.timesteps[i], self.context, kv).float()
+        t = self.timesteps[i]
+        extra = self.control.residuals(x_in, t, self.context, i) if self.control is not None else {}
+        out = self.unet_fn(x_in, t, self.context, kv, **extra).float()
         if self.guidance:
             uncond, cond = out.chunk(2)
             out = uncond + self.scale * (cond - uncond)
@@ -139,3 +146,43 @@ class DenoiseLoop:
             self.run()
         images = self.images.clone() if self.images is not None else None
         return self.latents.clone(), images
+
+
+class LoopControl:
+    """The ControlNet(s) of a captured loop: the control images and a (step, net) table of each
+    net's scale × keep live in static buffers, so a replay reads a new call's images, scales and
+    windows without recapturing. The net's residuals are the eager loop's
+    (:meth:`rapiddiff.models.controlnet.ControlConditioning.residuals`), the scale a 0-d tensor."""
+
+    def __init__(
+        self,
+        net: torch.nn.Module,
+        image_shapes: tuple[tuple[int, ...], ...],
+        evaluations: int,
+        device: torch.device,
+    ) -> None:
+        self.net = net
+        dtype = net.dtype
+        self.images = [
+            torch.zeros(shape, device=device, dtype=dtype) for shape in image_shapes
+        ]  # (2N or N, 3, H, W)
+        self.table = torch.zeros(
+            evaluations, len(image_shapes), device=device, dtype=torch.float32
+        )  # (n, nets)
+
+    def load(self, control: ControlConditioning) -> None:
+        """Copy one call's control images and per-step scales into the buffers."""
+        n = self.table.shape[0]
+        rows = [[s * k for s, k in zip(control.scales, control.keep(i, n), strict=True)] for i in range(n)]
+        self.table.copy_(torch.tensor(rows, dtype=torch.float32))
+        for buffer, image in zip(self.images, control.images, strict=True):
+            buffer.copy_(image)
+
+    def residuals(self, x_in: torch.Tensor, t: torch.Tensor, context: torch.Tensor, i: int) -> dict[str, Any]:
+        from rapiddiff.models.controlnet import ControlConditioning
+
+        scales = [self.table[i, k] for k in range(self.table.shape[1])]  # 0-d tensors: no host sync
+        conditioning = ControlConditioning(
+            self.net, self.images, scales, [0.0] * len(scales), [1.0] * len(scales)
+        )
+        return conditioning.residuals(x_in, t, context, 0, 1)  # the window is in the table already

@@ -54,8 +54,10 @@ def _cast(pipe: Any, name: str | None, device: torch.device) -> SwitchStatus:
     if device.type != "cuda" and name != "float32":
         return fallback(f"{name} on {device.type} is slow", f"kept {pipe.unet.dtype}")
     dtype = getattr(torch, name)
-    for module in (pipe.unet, pipe.vae, pipe.text_encoder):
-        if next(module.parameters()).dtype != dtype:  # skip no-op casts (diffusers warns on each)
+    for module in (pipe.unet, pipe.vae, pipe.text_encoder, getattr(pipe, "controlnet", None)):
+        if (
+            module is not None and next(module.parameters()).dtype != dtype
+        ):  # skip no-op casts (diffusers warns on each)
             module.to(dtype=dtype)
     return SwitchStatus("on", name)
 

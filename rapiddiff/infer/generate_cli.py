@@ -32,10 +32,20 @@ EPILOG = """examples:
   rapiddiff generate "一只熊猫" --lora runs/finetune/lora/model:0.8              # a LoRA at 0.8
   rapiddiff generate "一只熊猫" --deep-cache 3                # faster, approximate (DeepCache)
   rapiddiff generate "一只熊猫" --token-merge 0.5             # approximate token merging (ToMe)
+  rapiddiff generate "一只熊猫" --controlnet nets/canny --control-image edges.png --control-scale 0.8
+  rapiddiff generate "一只熊猫" --controlnet nets/canny --control-image edges.png \
+                              --controlnet nets/depth --control-image depth.png --control-end 0.5 1.0
+
+ControlNet: the k-th --control-image goes with the k-th --controlnet (a diffusers ControlNet folder
+or a .safetensors file; safetensors only). Without --controlnet, the model folder's controlnet/ is
+used with the one --control-image. --control-scale, --control-start and --control-end take one value
+for every net or one value per net, in the same order (as diffusers' controlnet_conditioning_scale,
+control_guidance_start and control_guidance_end).
 
 Every PNG holds its prompt, negative prompt, seed, steps, guidance, scheduler, size, model,
-upscaler file, LoRAs and init image / mask (path + sha256) in text chunks; --from-png reads them
-back (flags given on the command line override them) and refuses an init image that changed.
+upscaler file, LoRAs, init image / mask and control images (path + sha256, with each ControlNet
+and its scale and window) in text chunks; --from-png reads them back (flags given on the command
+line override them) and refuses an init or control image that is missing or changed.
 Without --model (or with --model builtin) the default built-in model is used ($RAPIDDIFF_MODEL
 replaces it); --model builtin:NAME picks a built-in model by name. A PNG made by a built-in model
 records it as builtin:NAME, so --from-png remakes it with that model whatever the default is.
@@ -175,6 +185,35 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="DIR[:SCALE]",
         help="apply a LoRA (a `train finetune` LoRA folder or a diffusers LoRA file) at SCALE (default 1); repeatable",
     )
+    control = parser.add_argument_group("ControlNet (one image per net, in the order given)")
+    control.add_argument(
+        "--controlnet",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a ControlNet: a diffusers ControlNet folder or a .safetensors file with its config.json beside "
+        "it; repeatable, one per --control-image (default: the model folder's controlnet/)",
+    )
+    control.add_argument(
+        "--control-image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="the control image of the k-th ControlNet (an edge map, pose, depth map...), resized to the "
+        "generation size; repeatable",
+    )
+    for flag, default, what in (
+        ("--control-scale", 1.0, "how strongly each net steers (its residuals × S; 0 = off)"),
+        ("--control-start", 0.0, "fraction of the steps after which each net starts to act"),
+        ("--control-end", 1.0, "fraction of the steps after which each net stops"),
+    ):
+        control.add_argument(
+            flag,
+            type=float,
+            nargs="+",
+            metavar="X",
+            help=f"{what}: one value for every net or one per net (default {default:g})",
+        )
     parser.add_argument("--out", default="outputs", metavar="DIR", help="output folder (default ./outputs)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     parser.add_argument(
@@ -326,6 +365,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     if args.size:
         kwargs["height"], kwargs["width"] = args.size
     _init_settings(args, kwargs)
+    _control_settings(args, kwargs)
     _knowledge_and_approximations(args, kwargs)
     if "scheduler" in kwargs:  # bad names fail before loading
         kwargs["scheduler"] = canonical_scheduler_name(kwargs["scheduler"])
@@ -344,6 +384,16 @@ def _from_png(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     meta = read_png_metadata(args.from_png)
     if not meta:
         raise ValueError(f"--from-png: {args.from_png} holds no generation settings")
+    recorded = meta.get("control") or []
+    if recorded and not args.controlnet:
+        args.controlnet = _recorded_controlnets(recorded, args.from_png)
+    if args.control_image:  # new control images replace the recorded ones (which need not exist then)
+        same = len(args.control_image) == len(recorded)  # then each net keeps its recorded scale and window
+        new = [
+            {**item, "image": path, "image_sha256": None}
+            for item, path in zip(recorded, args.control_image, strict=False)
+        ]
+        meta = {**meta, "control": new if same else []}
     kwargs = generation_kwargs(meta, where=args.from_png)
     prompts = [kwargs.pop("prompt")]
     if args.upscaler is None and meta.get("upscaler"):
@@ -351,6 +401,68 @@ def _from_png(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], str 
     if not args.lora and meta.get("lora"):
         args.lora = [f"{item['path']}:{item['scale']}" for item in meta["lora"]]
     return prompts, kwargs, recorded_model(meta)
+
+
+def _recorded_controlnets(items: Any, where: str) -> list[str]:
+    """The ControlNets a PNG was made with, each still where it was."""
+    nets = [item.get("controlnet") for item in items if isinstance(item, dict)]
+    for path in nets:
+        if not path or not Path(path).exists():
+            raise FileNotFoundError(
+                f"{where}: made with the ControlNet {path}, which is not here; give it with --controlnet PATH"
+            )
+    return [str(p) for p in nets]
+
+
+def _per_net(values: list[float] | None, count: int, flag: str) -> list[float | None]:
+    """One value per net from a flag given once (for every net) or once per net."""
+    if not values:
+        return [None] * count
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise ValueError(f"{flag}: {len(values)} values for {count} ControlNet(s); give one, or one per net")
+    return list(values)
+
+
+def _control_settings(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """--controlnet / --control-image / --control-scale/start/end into ``kwargs["control"]`` (over the
+    PNG's), one ControlSpec per net."""
+    from rapiddiff.models.controlnet import ControlSpec
+
+    if args.control_image:
+        if args.controlnet and len(args.controlnet) != len(args.control_image):
+            raise ValueError(
+                f"{len(args.control_image)} --control-image for {len(args.controlnet)} --controlnet: "
+                "give one control image per ControlNet, in the same order"
+            )
+        if len(kwargs.get("control") or []) != len(args.control_image):  # (else: the PNG's, images replaced)
+            kwargs["control"] = [ControlSpec(path) for path in args.control_image]
+    elif args.controlnet and "control" not in kwargs:
+        raise ValueError("--controlnet needs --control-image (the image that net is conditioned on)")
+    specs = kwargs.get("control")
+    flags = {"--control-scale": args.control_scale, "--control-start": args.control_start}
+    flags["--control-end"] = args.control_end
+    given = [flag for flag, values in flags.items() if values]
+    if not specs:
+        if given:
+            raise ValueError(f"{given[0]} needs --control-image (and a ControlNet)")
+        return
+    scales = _per_net(args.control_scale, len(specs), "--control-scale")
+    starts = _per_net(args.control_start, len(specs), "--control-start")
+    ends = _per_net(args.control_end, len(specs), "--control-end")
+    kwargs["control"] = [
+        ControlSpec(
+            spec.image,
+            controlnet_conditioning_scale=spec.controlnet_conditioning_scale if scale is None else scale,
+            control_guidance_start=spec.control_guidance_start if start is None else start,
+            control_guidance_end=spec.control_guidance_end if end is None else end,
+        )
+        for spec, scale, start, end in zip(specs, scales, starts, ends, strict=True)
+    ]
+    for spec in kwargs["control"]:
+        if isinstance(spec.image, str) and not Path(spec.image).is_file():
+            raise FileNotFoundError(f"--control-image: file not found: {spec.image}")
 
 
 def _knowledge_and_approximations(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
@@ -430,6 +542,11 @@ def run(args: argparse.Namespace) -> int:
     for path, _ in loras:
         if not Path(path).exists():
             raise FileNotFoundError(f"--lora: {path} not found")
+    for path in args.controlnet:
+        if not Path(path).exists():
+            raise FileNotFoundError(
+                f"--controlnet: {path} not found (a diffusers ControlNet folder or .safetensors)"
+            )
 
     log.info("loading %s on %s (%s)", model_dir, device, str(dtype).removeprefix("torch."))
     pipe = RapidDiffusionPipeline.from_pretrained(
@@ -437,6 +554,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for path, scale in loras:  # before the fast path: LoRAs merge into the weights it transforms
         pipe.load_lora(path, scale=scale)
+    if args.controlnet:
+        pipe.load_controlnet(*args.controlnet)
     if fast:
         from rapiddiff.infer.accelerate import accelerate
 

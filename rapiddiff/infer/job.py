@@ -17,6 +17,7 @@ from rapiddiff.models.token_merge import TokenMerge
 if TYPE_CHECKING:
     import torch
 
+    from rapiddiff.models.controlnet import ControlConditioning
     from rapiddiff.models.sampling import Inpaint, ModelFn
 
 
@@ -40,6 +41,7 @@ class DenoiseJob:
     deep_cache: int = 1  # DeepCache interval: the whole U-Net every N evaluations (1 = exact)
     guidance_rescale: float = 0.0  # CFG rescale φ (sampling.rescale_guidance); 0 = plain guidance
     token_merge: float = 0.0  # ToMe ratio in the highest-resolution self-attention (0 = exact)
+    control: ControlConditioning | None = None  # ControlNet residuals for every step (None: no control)
 
     def run(
         self,
@@ -84,6 +86,7 @@ class DenoiseJob:
                 progress=self.progress,
                 on_step=_chained(hooks),
                 guidance_rescale=self.guidance_rescale,
+                control=self.control,
             )
         return latents, sampling.decode(vae, latents) if decode else None
 

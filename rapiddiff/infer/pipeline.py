@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from rapiddiff.models.bundle import ModelBundle
+    from rapiddiff.models.controlnet import ControlConditioning, ControlSpec
     from rapiddiff.models.sampling import Inpaint
 
 log = get_logger(__name__)
@@ -94,6 +95,8 @@ class RapidDiffusionPipeline(ImageGeometry):
         self.denoiser: Any = None  # the denoise stage: None = eager; accelerate() sets the graph loop
         self.report: dict[str, str] = {}  # what accelerate() did, switch by switch
         self.loras: list[Any] = []  # LoRAs applied by load_lora, in order
+        self.controlnet: torch.nn.Module | None = None  # set by load_controlnet (one net or diffusers' Multi)
+        self.controlnet_paths: list[str] = []  # where each net came from, in order (for the PNG metadata)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -165,8 +168,9 @@ class RapidDiffusionPipeline(ImageGeometry):
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> RapidDiffusionPipeline:
         """Move the models (in place), as ``diffusers`` pipelines do; the upscaler keeps its dtype."""
-        for module in (self.unet, self.vae, self.text_encoder):
-            module.to(device=device, dtype=dtype)
+        for module in (self.unet, self.vae, self.text_encoder, self.controlnet):
+            if module is not None:
+                module.to(device=device, dtype=dtype)
         if self.upscaler is not None:
             self.upscaler.to(device=device)
         return self
@@ -191,6 +195,40 @@ class RapidDiffusionPipeline(ImageGeometry):
         """Undo every :meth:`load_lora`, last first: the weights are the model's own again."""
         while self.loras:
             self.loras.pop().restore()
+
+    # ------------------------------------------------------------------ ControlNet
+    def load_controlnet(self, *paths: str | Path) -> None:
+        """Load the ControlNet(s) every controlled call uses, in this order (replacing any loaded
+        before): diffusers folders or ``.safetensors`` files, on the U-Net's device and dtype.
+        Several act together as diffusers' ``MultiControlNetModel``: a call gives one
+        :class:`~rapiddiff.models.controlnet.ControlSpec` per net, in the same order."""
+        from rapiddiff.models.controlnet import combine, load_controlnet
+
+        if not paths:
+            raise ValueError("load_controlnet: give at least one ControlNet folder or .safetensors file")
+        nets = [load_controlnet(p, device=self.device, dtype=self.dtype) for p in paths]
+        self.controlnet = combine(nets)
+        self.controlnet_paths = [str(Path(p).resolve()) for p in paths]
+
+    def _require_controlnet(self, count: int) -> None:
+        """A controlled call needs its nets: loaded, else the model folder's controlnet/ (loaded now)."""
+        from rapiddiff.models.controlnet import CONTROLNET_FOLDER, net_count
+
+        own = Path(self.model_path) / CONTROLNET_FOLDER if self.model_path is not None else None
+        if self.controlnet is None and own is not None and (own / "config.json").is_file():
+            log.info("loading the model folder's ControlNet %s", own)
+            self.load_controlnet(own)
+        loaded = net_count(self.controlnet)
+        if loaded == 0:
+            raise ValueError(
+                "control given, but this pipeline has no ControlNet: load one with "
+                "pipe.load_controlnet(FOLDER) (rapiddiff generate --controlnet FOLDER)"
+            )
+        if count != loaded:
+            raise ValueError(
+                f"control: {count} control image(s) given for {loaded} loaded ControlNet(s); give one "
+                "per net, in the order they were loaded"
+            )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -346,6 +384,7 @@ class RapidDiffusionPipeline(ImageGeometry):
         guidance_rescale: float | None = None,
         token_merge: float = 0.0,
         init_size: Literal["model", "keep"] = "model",
+        control: ControlSpec | Sequence[ControlSpec] | None = None,
     ) -> GenerationOutput:
         """Generate ``len(prompts) × num_images_per_prompt`` images.
 
@@ -371,6 +410,14 @@ class RapidDiffusionPipeline(ImageGeometry):
         ``token_merge=R`` (opt-in, approximate): ToMe merges ``R`` of the tokens entering the
         highest-resolution self-attention (R in [0, 0.75]; 0.5 is ToMe's default;
         :mod:`rapiddiff.models.token_merge`); 0 is the exact path. Recorded in the metadata when > 0.
+
+        ``control``: ControlNet guidance, one :class:`~rapiddiff.models.controlnet.ControlSpec` per
+        loaded net (:meth:`load_controlnet`), in their order — its ``image`` (path or PIL; a bare
+        image means ``ControlSpec(image)``), ``controlnet_conditioning_scale``,
+        ``control_guidance_start`` and ``control_guidance_end`` as diffusers'
+        ``StableDiffusionControlNetPipeline`` names them. The control image is resized to the
+        generation size; without ``height``/``width`` (and no init image) that size is chosen from the
+        first control image as from an init image. Works with txt2img, img2img and inpainting.
         """
         import time
 
@@ -397,9 +444,12 @@ class RapidDiffusionPipeline(ImageGeometry):
                 log.warning("empty prompt: the image is generated unconditionally (from noise alone)")
         init = _source(init_image, "init_image", "RGB") if init_image is not None else None
         mask = _source(mask_image, "mask_image", "L") if mask_image is not None else None
+        specs, controls = self._control_sources(control, deep_cache)
         if init is not None:
             strength = (1.0 if mask is not None else 0.8) if strength is None else float(strength)
-            height, width = self._size_for_init(init.image.size, height, width, init_size)
+        sizer = init or (controls[0] if controls else None)  # the image whose size sets the default
+        if sizer is not None:
+            height, width = self._size_for_init(sizer.image.size, height, width, init_size)
         height = height or self.default_size
         width = width or self.default_size
         check_size(height, width, self.size_multiple)
@@ -415,6 +465,8 @@ class RapidDiffusionPipeline(ImageGeometry):
         )
         mode = knowledge_mode if settings["knowledge"] else "embed"  # no mode to record when off
         settings.update(_approximate_settings(mode, deep_cache, token_merge, guidance, rescale))
+        if specs:
+            settings["control"] = self._control_settings(specs, controls)
         metadata = [
             {"prompt": p, "negative_prompt": neg, "seed": s, **settings}
             for p, neg, s in zip(all_prompts, all_negatives, seeds, strict=True)
@@ -453,6 +505,7 @@ class RapidDiffusionPipeline(ImageGeometry):
             deep_cache=deep_cache,
             guidance_rescale=rescale,
             token_merge=token_merge,
+            control=self._control_conditioning(specs, controls, height, width, n, do_cfg),
         )
         latents, images = self.denoise(job, decode=output_type != "latent")
         images = keep_unmasked(images, init_pixels, mask_pixels)
@@ -572,6 +625,65 @@ class RapidDiffusionPipeline(ImageGeometry):
         if self.loras:
             settings["lora"] = [{"path": lo.path, "scale": lo.scale} for lo in self.loras]
         return settings
+
+    def _control_sources(self, control: Any, deep_cache: int) -> tuple[list[ControlSpec], list[_Source]]:
+        """A call's ``control`` → its specs and their images (read now, so a bad file fails before sampling)."""
+        from rapiddiff.models.controlnet import control_specs
+
+        specs = control_specs(control)
+        if not specs:
+            return [], []
+        self._require_controlnet(len(specs))
+        if deep_cache > 1:
+            raise ValueError(
+                "deep_cache > 1 with a ControlNet: DeepCache skips the U-Net blocks the ControlNet's "
+                "residuals enter; use one or the other"
+            )
+        return specs, [_source(s.image, f"control image {k + 1}", "RGB") for k, s in enumerate(specs)]
+
+    def _control_settings(self, specs: list[ControlSpec], sources: list[_Source]) -> list[dict[str, Any]]:
+        """What a PNG records of a call's control, net by net (--from-png remakes the image from it)."""
+        return [
+            {
+                "image": src.path,
+                "image_sha256": src.sha256,
+                "controlnet": path,
+                "scale": spec.controlnet_conditioning_scale,
+                "start": spec.control_guidance_start,
+                "end": spec.control_guidance_end,
+            }
+            for spec, src, path in zip(specs, sources, self.controlnet_paths, strict=True)
+        ]
+
+    def _control_conditioning(
+        self, specs: list[ControlSpec], sources: list[_Source], height: int, width: int, n: int, guided: bool
+    ) -> ControlConditioning | None:
+        """The loop's ControlNet inputs: each control image prepared as diffusers prepares it."""
+        if not specs:
+            return None
+        from rapiddiff.models.controlnet import ControlConditioning, prepare_control_image
+
+        assert self.controlnet is not None
+        images = [
+            prepare_control_image(
+                src.image,
+                height,
+                width,
+                vae_scale_factor=self.vae_scale_factor,
+                count=n,
+                guided=guided,
+                device=self.device,
+                dtype=self.controlnet.dtype,
+            )
+            for src in sources
+        ]
+        return ControlConditioning(
+            self.controlnet,
+            images,
+            scales=[s.controlnet_conditioning_scale for s in specs],
+            starts=[s.control_guidance_start for s in specs],
+            ends=[s.control_guidance_end for s in specs],
+        )
 
     def _preprocess(
         self, init: _Source | None, mask: _Source | None, height: int, width: int

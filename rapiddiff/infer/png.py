@@ -158,6 +158,8 @@ def generation_kwargs(meta: dict[str, Any], where: str | Path = "the image") -> 
         kwargs["deep_cache"] = int(meta["deep_cache"])
     if meta.get("token_merge"):
         kwargs["token_merge"] = float(meta["token_merge"])
+    if meta.get("control"):
+        kwargs["control"] = _control_specs(meta["control"], where)
     return kwargs
 
 
@@ -175,24 +177,48 @@ def recorded_model(meta: dict[str, Any]) -> str | None:
     return path
 
 
+def _control_specs(items: Any, where: str | Path) -> list[Any]:
+    """The recorded ControlNet inputs → ControlSpecs, each control image checked as an init image is."""
+    from rapiddiff.models.controlnet import ControlSpec
+
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ValueError(f"{where}: its 'control' setting is not a list of objects")
+    specs = []
+    for k, item in enumerate(items):
+        what = f"control image {k + 1}" if len(items) > 1 else "control image"
+        path = _checked_file(item.get("image"), item.get("image_sha256"), what, "--control-image", where)
+        specs.append(
+            ControlSpec(
+                path,
+                controlnet_conditioning_scale=float(item.get("scale", 1.0)),
+                control_guidance_start=float(item.get("start", 0.0)),
+                control_guidance_end=float(item.get("end", 1.0)),
+            )
+        )
+    return specs
+
+
 def _checked_source(meta: dict[str, Any], key: str, where: str | Path) -> str:
     """The recorded init image / mask path, if the file is still the one the image was made from."""
+    flag = "--init-image" if key == "init_image" else "--mask"
+    return _checked_file(meta.get(key), meta.get(f"{key}_sha256"), key.replace("_", " "), flag, where)
+
+
+def _checked_file(path: str | None, digest: str | None, what: str, flag: str, where: str | Path) -> str:
+    """``path`` if it is still the file (by sha256) an image was made from; else an error naming ``flag``."""
     from rapiddiff.utils.io import file_sha256
 
-    path, digest = meta.get(key), meta.get(f"{key}_sha256")
-    flag = "--init-image" if key == "init_image" else "--mask"
     if not path:
         raise ValueError(
-            f"{where}: made from an in-memory {key.replace('_', ' ')} (no file recorded); "
-            f"give the file with {flag}"
+            f"{where}: made from an in-memory {what} (no file recorded); give the file with {flag}"
         )
     if not Path(path).is_file():
         raise FileNotFoundError(
-            f"{where}: its {key.replace('_', ' ')} {path} is missing; restore it or give another with {flag}"
+            f"{where}: its {what} {path} is missing; restore it or give another with {flag}"
         )
     if digest and file_sha256(path) != digest:
         raise ValueError(
-            f"{where}: its {key.replace('_', ' ')} {path} has changed since (sha256 differs); "
+            f"{where}: its {what} {path} has changed since (sha256 differs); "
             f"the image cannot be remade from it — restore the file or give one with {flag}"
         )
     return str(path)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from rapiddiff.models.controlnet import ControlConditioning
+
 # Sampler name → diffusers scheduler class, each built from the model folder's scheduler config
 # (the noise schedule it was trained with), as diffusers users swap them.
 SCHEDULERS: dict[str, str] = {
@@ -39,8 +41,9 @@ SCHEDULERS: dict[str, str] = {
 }
 _SCHEDULER_ALIASES = {"plms": "pndm", "dpmsolver++": "dpm++", "dpm-solver++": "dpm++", "dpmpp": "dpm++"}
 
-ModelFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
-"""(x_in [B, C, h, w], t, context [B, L, D]) → the U-Net's output [B, C', h, w]."""
+ModelFn = Callable[..., "torch.Tensor"]
+"""(x_in [B, C, h, w], t, context [B, L, D], **unet_kwargs) → the U-Net's output [B, C', h, w].
+``unet_kwargs`` are extra U-Net inputs (a ControlNet's residuals), given only when there are any."""
 
 
 def scheduler_choices() -> list[str]:
@@ -263,8 +266,8 @@ class Inpaint:
 def unet_model(unet: nn.Module) -> ModelFn:
     """A diffusers U-Net as a plain ``model(x, t, context)``."""
 
-    def model(x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        return unet(x, t, encoder_hidden_states=context, return_dict=False)[0]
+    def model(x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return unet(x, t, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
 
     return model
 
@@ -305,6 +308,7 @@ def denoise(
     progress: bool = False,
     on_step: Callable[[int], None] | None = None,
     guidance_rescale: float = 0.0,
+    control: ControlConditioning | None = None,
 ) -> torch.Tensor:
     """The denoising loop: for each t, ε = model(x_t, t, text); CFG (and its rescale
     :func:`rescale_guidance` when ``guidance_rescale`` > 0); x_{t-1} = scheduler.step.
@@ -313,7 +317,8 @@ def denoise(
     ``cond``/``uncond`` [N, L, D] one row per latent, ``uncond=None`` means no guidance;
     ``scheduler`` has had ``set_timesteps`` and ``timesteps`` is (the tail of) its ``.timesteps``.
     ``on_step(i)`` runs before the model's i-th evaluation (DeepCache's full/cached choice:
-    :mod:`rapiddiff.models.deep_cache`).
+    :mod:`rapiddiff.models.deep_cache`). ``control``: ControlNet residuals added to the U-Net at
+    every step (:mod:`rapiddiff.models.controlnet`), computed from the same input and context.
     """
     import torch
     from tqdm.auto import tqdm
@@ -329,11 +334,13 @@ def denoise(
     for i, t in enumerate(tqdm(timesteps, desc="sampling", disable=not progress, leave=False)):
         x_in = torch.cat([latents] * 2) if guided else latents  # (2N or N, C, h, w)
         x_in = scheduler.scale_model_input(x_in, t)
+        # The ControlNet sees the latents without inpainting channels (as diffusers' pipelines feed it).
+        unet_kwargs = control.residuals(x_in, t, context, i, len(timesteps)) if control is not None else {}
         if extra is not None:
             x_in = torch.cat([x_in, extra.to(x_in.dtype)], dim=1)  # (.., 2C + 1, h, w)
         if on_step is not None:
             on_step(i)
-        out = model(x_in, t, context)
+        out = model(x_in, t, context, **unet_kwargs)
         if guided:
             out_uncond, out_text = out.chunk(2)
             out = out_uncond + guidance_scale * (out_text - out_uncond)

@@ -90,6 +90,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="DIR[:SCALE]",
         help="merge a LoRA (a `train finetune` LoRA folder or a diffusers LoRA file) into the served model; repeatable",
     )
+    parser.add_argument(
+        "--controlnet",
+        action="append",
+        metavar="PATH",
+        help="load a ControlNet (a diffusers folder or .safetensors) into the served model, so requests may "
+        "send control_image; repeatable, one control image per net in a request, in this order",
+    )
     parser.add_argument("--steps", type=int, help="steps when a request names none (default: the model's)")
     parser.add_argument(
         "--upscale", action=argparse.BooleanOptionalAction, default=None,
@@ -130,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> object:
         default_steps=args.steps,
         default_upscale=args.upscale,
         loras=[parse_lora(item) for item in args.lora or []],
+        controlnets=list(args.controlnet or []),
     )
 
 

@@ -53,6 +53,9 @@ class ServeConfig:
     """Upscale when a request does not say (default: as ``rapiddiff generate``, on when the model has one)."""
     loras: list[tuple[str, float]] = field(default_factory=list)
     """LoRAs (path, scale) merged into every model copy at load, as ``rapiddiff generate --lora``."""
+    controlnets: list[str] = field(default_factory=list)
+    """ControlNets (folders or .safetensors) loaded into every model copy, as ``rapiddiff generate
+    --controlnet``; a request then sends one ``control_image`` per net, in this order."""
 
     def __post_init__(self) -> None:
         if not self.devices:

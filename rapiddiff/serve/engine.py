@@ -128,6 +128,8 @@ def load_pipeline(config: ServeConfig, device_name: str) -> Any:
     pipe = RapidDiffusionPipeline.from_pretrained(model_dir, device=device, dtype=dtype)
     for path, scale in config.loras:  # before the fast path: LoRAs merge into the weights it transforms
         pipe.load_lora(path, scale=scale)
+    if config.controlnets:
+        pipe.load_controlnet(*config.controlnets)
     if config.fast:
         # The fast path captures one sampling graph per (batch, size, steps): keep one per batch
         # bucket and warmed-up size, so serving never evicts and recaptures them.
@@ -192,6 +194,7 @@ def served_model_aliases(config: ServeConfig) -> tuple[str, ...]:
 def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
     """What requests are checked against, read from the loaded pipeline and the server's settings."""
     from rapiddiff.infer.pipeline import scheduler_choices
+    from rapiddiff.models.controlnet import net_count
     from rapiddiff.models.sampling import default_sampler
 
     def usable(name: str, schedule: Any) -> bool:
@@ -222,6 +225,7 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
         defaults=defaults,
         pipeline_kwargs=frozenset(inspect.signature(pipe.__call__).parameters),
         count_tokens=count_tokens,
+        controlnets=net_count(getattr(pipe, "controlnet", None)),
     )
 
 

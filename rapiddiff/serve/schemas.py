@@ -79,6 +79,20 @@ class ImageRequest(BaseModel):
     init_image: str | None = Field(None, description="img2img: a base64 PNG/JPEG (when the pipeline has it)")
     mask_image: str | None = Field(None, description="inpainting: a base64 mask (white = repaint)")
     strength: float | None = Field(None, description="img2img/inpaint: how much of init_image to redo, 0..1")
+    control_image: str | list[str] | None = Field(
+        None,
+        description="ControlNet: a base64 PNG/JPEG control image, or a list with one per ControlNet the server "
+        "loaded (rapiddiff serve --controlnet), in their order",
+    )
+    control_scale: float | list[float] | None = Field(
+        None, description="ControlNet: each net's conditioning scale (one value, or one per net; default 1)"
+    )
+    control_start: float | list[float] | None = Field(
+        None, description="ControlNet: fraction of the steps after which each net acts (default 0)"
+    )
+    control_end: float | list[float] | None = Field(
+        None, description="ControlNet: fraction of the steps after which each net stops (default 1)"
+    )
 
 
 class LinkRequest(BaseModel):
@@ -114,6 +128,7 @@ class ModelLimits:
     pipeline_kwargs: frozenset[str]  # the keyword arguments the pipeline's __call__ takes
     count_tokens: Any  # prompt → number of tokens the text encoder sees (with special tokens)
     aliases: tuple[str, ...] = ()  # other ids requests may give for it ("builtin" for the default built-in)
+    controlnets: int = 0  # ControlNets loaded (rapiddiff serve --controlnet)
 
 
 def decode_image(text: str, param: str) -> Any:
@@ -151,6 +166,8 @@ def check_request(
     steps, guidance, scheduler = _check_sampling(req, limits, config)
     upscale = _check_upscale(req, limits, config)
     extra, image_key = _check_images(req, limits)
+    if _check_control(req, limits, extra):
+        image_key = id(extra)  # a request with its own control images never shares a batch
     _note_ignored(req)
     settings = Settings(height, width, steps, guidance, scheduler, req.knowledge, upscale, image_key)
     return settings, extra
@@ -290,6 +307,72 @@ def _check_images(req: ImageRequest, limits: ModelLimits) -> tuple[dict[str, Any
             raise ApiError(400, f"strength={req.strength}: use a number in (0, 1]", param="strength")
         extra["strength"] = req.strength
     return extra, image_key
+
+
+def _check_control(req: ImageRequest, limits: ModelLimits, extra: dict[str, Any]) -> bool:
+    """ControlNet: the decoded control images with each net's scale and window into ``extra["control"]``;
+    whether there were any."""
+    from rapiddiff.models.controlnet import ControlSpec
+
+    knobs = {
+        "control_scale": req.control_scale,
+        "control_start": req.control_start,
+        "control_end": req.control_end,
+    }
+    if req.control_image is None:
+        for param, value in knobs.items():
+            if value is not None:
+                raise ApiError(
+                    400, f"{param} applies to control_image; send one or drop {param}", param=param
+                )
+        return False
+    texts = req.control_image if isinstance(req.control_image, list) else [req.control_image]
+    images = [decode_image(text, "control_image").convert("RGB") for text in texts]  # bad base64: 400 first
+    if limits.controlnets == 0:
+        raise ApiError(
+            400, "control_image: this server was started without a ControlNet; start it with "
+            "`rapiddiff serve --controlnet PATH` (one per net), or send no control_image",
+            param="control_image", code="no_controlnet",
+        )  # fmt: skip
+    if len(images) != limits.controlnets:
+        raise ApiError(
+            400, f"control_image: {len(images)} image(s) sent for the {limits.controlnets} ControlNet(s) this "
+            "server loaded; send one per net, in the order of its --controlnet flags", param="control_image",
+        )  # fmt: skip
+    values = {param: _per_net(value, len(images), param) for param, value in knobs.items()}
+    specs = []
+    for k, image in enumerate(images):
+        given = {
+            name: values[param][k]
+            for param, name in (
+                ("control_scale", "controlnet_conditioning_scale"),
+                ("control_start", "control_guidance_start"),
+                ("control_end", "control_guidance_end"),
+            )
+            if values[param][k] is not None
+        }
+        try:
+            specs.append(ControlSpec(image, **given))
+        except ValueError as err:
+            raise ApiError(
+                400, f"control: {err}", param="control_scale" if "scale" in str(err) else "control_start"
+            ) from err
+    extra["control"] = specs
+    return True
+
+
+def _per_net(value: float | list[float] | None, count: int, param: str) -> list[float | None]:
+    if value is None:
+        return [None] * count
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise ApiError(
+            400,
+            f"{param}: {len(value)} values for {count} ControlNet(s); send one, or one per net",
+            param=param,
+        )
+    return list(value)
 
 
 def _note_ignored(req: ImageRequest) -> None:
