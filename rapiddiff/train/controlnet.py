@@ -155,7 +155,7 @@ class ControlNetTraining(LatentDiffusion):
         )
         # This class's arguments, and only they: load_from_checkpoint rebuilds it from them.
         self.save_hyperparameters()
-        self.remove_ignored_hparams([k for k in list(self.hparams) if k not in _ARGUMENTS])
+        self.remove_ignored_hparams([k for k in list(self.hparams) if k not in _ARGUMENTS and not k.startswith("_")])
         self.hparams["pretrained"] = base  # the folder: grids and export read its sampling defaults
         self.base_model = pretrained
         self.control_dropout, self.conditioning_scale, self.grid_images = (

@@ -30,6 +30,7 @@ def cn_args(base: Path, data: Path, root: Path, max_steps: int, *extra: str) -> 
         f"--model.pretrained={base}",
         "--model.grid_images=2",
         "--model.sampling.num_inference_steps=2",
+        "--model.cache_latents=false",
         f"--data.train={data}",
         "--data.val=null",
         "--data.image_size=16",
@@ -129,7 +130,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
 ) -> None:
     root = tmp_path / "run"
     args = cn_args(
-        knowledge_model, data, root, 5,
+        knowledge_model, data, root, 4,
         "--trainer.callbacks+=tests.train.helpers.PoisonWeights", "--trainer.callbacks.step=3",
     )  # fmt: skip
     with pytest.raises(NonFiniteLossError, match="step 3"):
