@@ -172,3 +172,30 @@ def test_conditioning_embedding_lands_at_the_latent_size() -> None:
     assert cn_stage.conditioning_channels_for(2) == (16, 32)
     with pytest.raises(ValueError, match="VAE factor"):
         cn_stage.conditioning_channels_for(3)
+
+
+def test_loss_falls_when_overfitting_one_batch_through_the_controlnet_alone(
+    knowledge_model: Path, data: Path
+) -> None:
+    from rapiddiff.train.controlnet_data import ControlImageTextData, ControlSource
+
+    module = cn_stage.ControlNetTraining(
+        pretrained=str(knowledge_model), loss=cn_stage.DiffusionLoss(caption_dropout=0.0)
+    )
+    dm = ControlImageTextData(
+        str(data), image_size=16, batch_size=2, num_workers=0, control=ControlSource("mask")
+    )
+    dm.setup("fit")
+    batch = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=2)))
+    unet_before = {k: v.clone() for k, v in module.unet.state_dict().items()}
+    optimizer = torch.optim.AdamW(module.trainable_parameters(), lr=2e-3)
+    losses = []
+    for _ in range(25):
+        torch.manual_seed(0)  # the same noise and timesteps every step: a fixed target
+        loss = module.training_step(batch, 0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert all(torch.equal(v, module.unet.state_dict()[k]) for k, v in unet_before.items())  # frozen
