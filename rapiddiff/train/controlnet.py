@@ -153,9 +153,12 @@ class ControlNetTraining(LatentDiffusion):
             cache_latents=cache_latents,
             seed=seed,
         )
-        # This class's arguments, and only they: load_from_checkpoint rebuilds it from them.
+        # This class's arguments, and only they (and LightningCLI's "_instantiator"): load_from_checkpoint
+        # rebuilds the module from them, and the base class's own (unet, vae, ...) are not ours.
         self.save_hyperparameters()
-        self.remove_ignored_hparams([k for k in list(self.hparams) if k not in _ARGUMENTS and not k.startswith("_")])
+        self.remove_ignored_hparams(
+            [k for k in list(self.hparams) if k not in _ARGUMENTS and not k.startswith("_")]
+        )
         self.hparams["pretrained"] = base  # the folder: grids and export read its sampling defaults
         self.base_model = pretrained
         self.control_dropout, self.conditioning_scale, self.grid_images = (

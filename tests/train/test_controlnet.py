@@ -64,7 +64,8 @@ def test_runs_from_config_and_exports_a_controlnet_diffusers_loads(
     knowledge_model: Path, data: Path, tmp_path: Path
 ) -> None:
     root = tmp_path / "run"
-    cn_stage.cli_main(cn_args(knowledge_model, data, root, 3))
+    # bf16-mixed as on a GPU: the frozen U-Net, VAE and text tower run in bf16, the ControlNet in fp32.
+    cn_stage.cli_main(cn_args(knowledge_model, data, root, 3, "--trainer.precision=bf16-mixed"))
     names = {p.name for p in (root / "checkpoints").glob("*.ckpt")}
     assert names >= {"step=0000002.ckpt", "last.ckpt"}
     grids = sorted(root.rglob("samples/step=*.png"))
@@ -199,3 +200,15 @@ def test_loss_falls_when_overfitting_one_batch_through_the_controlnet_alone(
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
     assert all(torch.equal(v, module.unet.state_dict()[k]) for k, v in unet_before.items())  # frozen
+
+
+@pytest.mark.gpu
+def test_trains_on_the_gpu_in_bf16_and_exports(knowledge_model: Path, data: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    gpu = ("--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", "--model.speed.channels_last=true")
+    cn_stage.cli_main(cn_args(knowledge_model, data, root, 4, *gpu))
+    from diffusers import ControlNetModel
+
+    net = ControlNetModel.from_pretrained(root / "model")
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert torch.count_nonzero(net.controlnet_mid_block.weight) > 0
