@@ -54,6 +54,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     ks.add_argument(
         "--small", action="store_true", help="a small preset for tests: 64² images, 240/60/60 images"
     )
+    ks.add_argument(
+        "--masks",
+        action="store_const",
+        const=True,
+        default=None,
+        help="also write each image's object mask (<split>/masks/, a `mask` column): for a mask ControlNet",
+    )
     ks.add_argument("--overwrite", action="store_true", help="replace kshapes files already in --out")
     ks.set_defaults(func=_kshapes)
 
@@ -89,6 +96,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     emo.add_argument("--size", type=int, default=None, help="image size in pixels (default 128)")
     emo.add_argument("--train-per-entity", type=int, default=None, help="training images per seen entity (8)")
+    emo.add_argument(
+        "--masks",
+        action="store_const",
+        const=True,
+        default=None,
+        help="also write each image's object mask (<split>/masks/, a `mask` column): for a mask ControlNet",
+    )
     emo.add_argument("--overwrite", action="store_true", help="replace emoji files already in --out")
     emo.set_defaults(func=_emoji)
 
@@ -171,6 +185,7 @@ def _kshapes(args: argparse.Namespace) -> int:
         "heldout": args.heldout,
         "layout": args.layout,
         "workers": args.workers,
+        "masks": args.masks,
     }
     overrides.update({k: v for k, v in given.items() if v is not None})
     cfg = load_config(KShapesConfig, args.config, **overrides)
@@ -199,6 +214,7 @@ def _emoji(args: argparse.Namespace) -> int:
         "include": args.include,
         "size": args.size,
         "train_per_entity": args.train_per_entity,
+        "masks": args.masks,
     }
     cfg = load_config(EmojiConfig, args.config, **{k: v for k, v in given.items() if v is not None})
     try:

@@ -619,6 +619,15 @@ class ImageTextDataset(Dataset):
             raise BadImageError(f"image too small ({image.size[0]}x{image.size[1]} < {self.image_size})")
         return image
 
+    def item(self, j: int) -> dict[str, Any]:
+        """Item ``j``'s fields, its image decoded (unless ``decode_images`` is off); raises
+        ``BadImageError``. A subclass adds fields here (ControlNet's conditioning image)."""
+        item: dict[str, Any] = {"text": self.texts[j], "index": self.indices[j]}
+        if self.decode_images:
+            item = {"pixel_values": self.transform(self.load_image(j)), **item}
+        item.update(self.annotations.item(j))
+        return item
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Item ``i``; if its image fails to decode (found only now: e.g. a file truncated after a
         valid header), the next good item instead — with a warning, once per run, that names the
@@ -632,18 +641,12 @@ class ImageTextDataset(Dataset):
             j = (i + step) % n
             if self._failed[j]:
                 continue  # known bad: logged when it was found
-            if not self.decode_images:
-                item = {"text": self.texts[j], "index": self.indices[j]}
-                item.update(self.annotations.item(j))
-                return item
             try:
-                image = self.load_image(j)
+                item = self.item(j)
             except BadImageError as err:
                 failures.append((j, str(err)))
                 continue
             self._record_failures(failures, replacement=j)
-            item = {"pixel_values": self.transform(image), "text": self.texts[j], "index": self.indices[j]}
-            item.update(self.annotations.item(j))
             return item
         self._record_failures(failures, replacement=None)
         raise RuntimeError(f"{self.table}: every item failed to decode; see the skip log")

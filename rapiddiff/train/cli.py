@@ -36,6 +36,10 @@ TRAIN_STAGES: dict[str, tuple[str, str]] = {
         "fine-tune a model folder (full or LoRA); `finetune merge` folds a LoRA",
     ),
     "upscaler": ("rapiddiff.train.upscaler", "a ×4 upscaler, ESRGAN RRDB or Real-ESRGAN compact"),
+    "controlnet": (
+        "rapiddiff.train.controlnet",
+        "a ControlNet (mask, canny or a data column) on a frozen model folder",
+    ),
 }
 
 

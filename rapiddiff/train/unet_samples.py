@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from rapiddiff.models.sampling import SamplingDefaults, default_sampler
+from rapiddiff.models.sampling import ModelFn, SamplingDefaults, default_sampler
 from rapiddiff.train.speed import (
     unfuse_for_saving,
 )
@@ -39,9 +39,12 @@ def sampling_defaults(module: LatentDiffusion) -> SamplingDefaults:
 
 
 @torch.no_grad()
-def draw(module: LatentDiffusion, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+def draw(
+    module: LatentDiffusion, prompts: list[str], seeds: list[int], model: ModelFn | None = None
+) -> torch.Tensor:
     """Images [N, 3, H, W] in [0, 1] through the one generation path (rapiddiff.models.sampling):
-    image k from its own CPU generator seeded ``seeds[k]``, as ``rapiddiff generate`` makes it."""
+    image k from its own CPU generator seeded ``seeds[k]``, as ``rapiddiff generate`` makes it.
+    ``model``: what denoises in place of the module's U-Net (a ControlNet stage's controlled U-Net)."""
     from rapiddiff.models import sampling
 
     s, d = module.sampling, sampling_defaults(module)
@@ -55,7 +58,7 @@ def draw(module: LatentDiffusion, prompts: list[str], seeds: list[int]) -> torch
     shape = (int(module.vae.config.latent_channels), side, side)
     noise = sampling.draw_noise(sampling.generators(seeds), shape, torch.float32).to(module.device)
     latents = sampling.denoise(
-        sampling.unet_model(module.unet),
+        model or sampling.unet_model(module.unet),
         noise * scheduler.init_noise_sigma,  # (N, C, h, w)
         cond,
         uncond,

@@ -88,7 +88,7 @@ def test_the_diffusion_grid_names_its_cost(tmp_path: Path, caplog: pytest.LogCap
     assert "--model.sampling.num_inference_steps" in caplog.text and "--samples.at_end=false" in caplog.text
 
 
-@pytest.mark.parametrize("stage", ["finetune", "unet", "clip", "vae", "upscaler"])
+@pytest.mark.parametrize("stage", ["finetune", "unet", "clip", "vae", "upscaler", "controlnet"])
 def test_stage_help_is_fast_and_imports_no_lightning(stage: str) -> None:
     code = (
         "import sys; from rapiddiff.cli import main\n"

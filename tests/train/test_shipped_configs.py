@@ -18,7 +18,7 @@ from rapiddiff.kg.store import KnowledgeStore
 from rapiddiff.models.presets import bert_text_config, chinese_vocab_path, write_tiny_sd_folder
 from tests.train.helpers import REPO, trainer_args, write_imagefolder, write_pairs
 
-TRAIN_STAGES = ("clip", "unet", "vae", "upscaler", "finetune")
+TRAIN_STAGES = ("clip", "unet", "vae", "upscaler", "finetune", "controlnet")
 # Config folders that are not training runs, and the tests that load or run them.
 OTHER_CONFIGS = {
     "data": "tests/data/test_configs.py",
@@ -179,6 +179,33 @@ def _finetune_builtin(tmp: Path, data: Path) -> list[str]:
     ]
 
 
+def _controlnet(tmp: Path, data: Path) -> list[str]:
+    # A tiny rapiddiff model folder with a KnowledgeStore as the frozen base; the tiny data has no
+    # mask column, so the shipped column route is checked on a copy that has one.
+    import json
+
+    from rapiddiff.models.bundle import load_model_folder, save_model_folder
+
+    bundle = load_model_folder(write_tiny_sd_folder(tmp / "sd", text="bert"))
+    bundle.text_encoder.set_store(KnowledgeStore.load(tiny_store(tmp / "store")))
+    base = save_model_folder(bundle, tmp / "base")
+    rows = [json.loads(line) for line in (data / "metadata.jsonl").read_text(encoding="utf-8").splitlines()]
+    rows = [r | {"mask": r["file_name"]} for r in rows]  # any image file is a readable control image
+    (data / "metadata.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8"
+    )
+    return [
+        f"--model.pretrained={base}",
+        "--model.sampling.num_inference_steps=2",
+        "--model.grid_images=1",
+        f"--data.train={data}",
+        "--data.val=null",
+        "--data.image_size=16",
+        "--data.batch_size=2",
+        "--data.num_workers=0",
+    ]
+
+
 # config → the tiny inputs and size overrides it runs with
 CASES: dict[str, Callable[[Path, Path], list[str]]] = {
     "clip/kshapes.yaml": _clip_kshapes,
@@ -195,6 +222,8 @@ CASES: dict[str, Callable[[Path, Path], list[str]]] = {
     "finetune/ecommerce.yaml": _finetune("bert"),
     "finetune/food.yaml": _finetune("bert"),
     "finetune/kshapes.yaml": _finetune_builtin,
+    "controlnet/kshapes.yaml": _controlnet,
+    "controlnet/emoji.yaml": _controlnet,
 }
 
 

@@ -24,6 +24,7 @@ from rapiddiff.data.emoji.compose import (
     CaptionIndex,
     Placement,
     compose,
+    compose_mask,
     sample_placement,
 )
 from rapiddiff.data.emoji.kg import aliases_tsv, choose_aliases, keyword_counts, kg_triples
@@ -36,6 +37,7 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 IMAGE_SPLITS = ("train", "val", "test")
+MASKS = "masks"  # <split>/masks/: the object masks (EmojiConfig.masks)
 OUTPUTS = (
     *IMAGE_SPLITS,
     "kg",
@@ -85,6 +87,9 @@ class EmojiConfig:
     """Images per seen entity in test/."""
     prompts_per_entity: int = 2
     """Evaluation prompts per entity and per alias in prompts.jsonl."""
+    masks: bool = False
+    """Also write each image's object mask, ``<split>/masks/NNNNNN.png`` (the pasted glyph's alpha),
+    named in a ``mask`` column of metadata.jsonl: the conditioning images of a mask ControlNet."""
 
     def __post_init__(self) -> None:
         if self.size < 32 or self.size % 8:
@@ -200,12 +205,21 @@ def _write_images(
     )
     for split, items in splits.items():
         (cfg.out / split).mkdir(parents=True, exist_ok=True)
+        if cfg.masks:
+            (cfg.out / split / MASKS).mkdir(exist_ok=True)
         for item in items:
-            image = compose(glyphs[item.entity.id, item.style], item.place, cfg.size)
-            image.save(cfg.out / split / item.file_name, format="PNG", compress_level=1)
+            glyph = glyphs[item.entity.id, item.style]
+            compose(glyph, item.place, cfg.size).save(
+                cfg.out / split / item.file_name, format="PNG", compress_level=1
+            )
+            if cfg.masks:
+                compose_mask(glyph, item.place, cfg.size).save(
+                    cfg.out / split / MASKS / item.file_name, format="PNG", compress_level=1
+                )
             bar.update()
+        rows = [i.metadata(split) | ({"mask": f"{MASKS}/{i.file_name}"} if cfg.masks else {}) for i in items]
         # Metadata last: a folder with metadata.jsonl is a finished split.
-        atomic_write_text(cfg.out / split / "metadata.jsonl", jsonl_text([i.metadata(split) for i in items]))
+        atomic_write_text(cfg.out / split / "metadata.jsonl", jsonl_text(rows))
     bar.close()
 
 

@@ -108,6 +108,13 @@ def sample_placement(rng: np.random.Generator) -> Placement:
     )
 
 
+def _placed(glyph: Image.Image, place: Placement, size: int) -> tuple[Image.Image, tuple[int, int]]:
+    """The glyph resized (Lanczos) to its placement, and where its top-left corner goes."""
+    side = max(1, round(place.scale * size))
+    art = glyph.convert("RGBA").resize((side, side), Image.Resampling.LANCZOS)
+    return art, (round(place.x * size - side / 2), round(place.y * size - side / 2))
+
+
 def compose(glyph: Image.Image, place: Placement, size: int) -> Image.Image:
     """An RGB ``size``² image: the RGBA ``glyph`` resized (Lanczos) and alpha-composited."""
     rgb = tuple(
@@ -115,8 +122,14 @@ def compose(glyph: Image.Image, place: Placement, size: int) -> Image.Image:
         for c, d in zip(BACKGROUNDS[place.background][0], place.background_shift, strict=True)
     )
     canvas = Image.new("RGBA", (size, size), (*rgb, 255))
-    side = max(1, round(place.scale * size))
-    art = glyph.convert("RGBA").resize((side, side), Image.Resampling.LANCZOS)
-    left, top = round(place.x * size - side / 2), round(place.y * size - side / 2)
-    canvas.alpha_composite(art, (left, top))
+    art, corner = _placed(glyph, place, size)
+    canvas.alpha_composite(art, corner)
     return canvas.convert("RGB")
+
+
+def compose_mask(glyph: Image.Image, place: Placement, size: int) -> Image.Image:
+    """The object mask of :func:`compose`'s image ("L"): the placed glyph's alpha (0 = background)."""
+    canvas = Image.new("L", (size, size), 0)
+    art, corner = _placed(glyph, place, size)
+    canvas.paste(art.getchannel("A"), corner)
+    return canvas

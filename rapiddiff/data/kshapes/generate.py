@@ -34,7 +34,7 @@ from rapiddiff.data.kshapes.entities import (
     kg_triples,
 )
 from rapiddiff.data.kshapes.palette import COLOURS, LAYOUTS, SHAPES, compatible_backgrounds
-from rapiddiff.data.kshapes.render import ShapeSpec, render
+from rapiddiff.data.kshapes.render import ShapeSpec, render, render_mask
 from rapiddiff.utils.config import save_config
 from rapiddiff.utils.io import atomic_write_text, jsonl_text, prepare_output_folder
 from rapiddiff.utils.logging import get_logger
@@ -42,6 +42,7 @@ from rapiddiff.utils.logging import get_logger
 log = get_logger(__name__)
 
 SPLITS = ("train", "val", "test")
+MASKS = "masks"  # <split>/masks/: the object masks (KShapesConfig.masks)
 # Files and folders this generator owns inside --out (removed by --overwrite, nothing else).
 OUTPUTS = (
     "train",
@@ -97,6 +98,10 @@ class KShapesConfig:
     """Evaluation prompts written per entity (seen and held-out) to prompts.jsonl."""
     workers: int = 0
     """Processes that draw images (0: one per CPU core, at most 8)."""
+    masks: bool = False
+    """Also write each image's object mask, ``<split>/masks/NNNNNN.png`` (grey level = how much of
+    the pixel the object covers, from the same drawing), named in a ``mask`` column of
+    metadata.jsonl: the conditioning images of a mask ControlNet (``rapiddiff train controlnet``)."""
 
     def __post_init__(self) -> None:
         if self.size < 32 or self.size % 8:
@@ -327,9 +332,17 @@ def robust_prompts(
     return prompts
 
 
-def _draw(job: tuple[ShapeSpec, str, str | None, int, int]) -> None:
-    """Worker: draw one item at base size (and 4×) and write the PNGs (the hr one where a path is given)."""
-    spec, path, hr_path, size, hr_scale = job
+Job = tuple[ShapeSpec, str, str | None, int, int, str | None]
+
+
+def _draw(job: Job) -> None:
+    """Worker: draw one item at base size (and 4×) and write the PNGs (the hr one and the mask where
+    a path is given)."""
+    spec, path, hr_path, size, hr_scale, mask_path = job
+    if mask_path is not None:
+        # The base image's own supersampling (2·hr_scale with hr/, else 4): the same coverage.
+        mask = render_mask(spec, size, supersample=2 * hr_scale if hr_scale else 4)
+        mask.save(mask_path, format="PNG", compress_level=1)
     if hr_scale:
         # The hr image is drawn with 2× supersampling; the base image is its box-reduction, i.e.
         # the same drawing supersampled 2·hr_scale×, so the pair is exactly consistent. PNG level 1:
@@ -342,12 +355,11 @@ def _draw(job: tuple[ShapeSpec, str, str | None, int, int]) -> None:
         render(spec, size, supersample=4).save(path, format="PNG", compress_level=1)
 
 
-def _jobs(
-    cfg: KShapesConfig, split: str, items: list[Item]
-) -> Iterator[tuple[ShapeSpec, str, str | None, int, int]]:
+def _jobs(cfg: KShapesConfig, split: str, items: list[Item]) -> Iterator[Job]:
     for item in items:
         hr = str(cfg.out / "hr" / split / item.file_name) if cfg.writes_hr else None
-        yield item.spec, str(cfg.out / split / item.file_name), hr, cfg.size, cfg.hr_scale
+        mask = str(cfg.out / split / MASKS / item.file_name) if cfg.masks else None
+        yield item.spec, str(cfg.out / split / item.file_name), hr, cfg.size, cfg.hr_scale, mask
 
 
 def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -364,6 +376,8 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
 
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
+        if cfg.masks:
+            (out / split / MASKS).mkdir(exist_ok=True)
         if cfg.writes_hr:
             (out / "hr" / split).mkdir(parents=True, exist_ok=True)
     jobs = [job for split in SPLITS for job in _jobs(cfg, split, splits[split])]
@@ -382,7 +396,11 @@ def generate_kshapes(cfg: KShapesConfig, *, overwrite: bool = False, progress: b
     # Metadata last: a folder with metadata.jsonl is a finished split.
     for split, items in splits.items():
         rows = jsonl_text([item.metadata() for item in items])
-        atomic_write_text(out / split / "metadata.jsonl", rows)
+        if cfg.masks:
+            with_masks = [item.metadata() | {"mask": f"{MASKS}/{item.file_name}"} for item in items]
+            atomic_write_text(out / split / "metadata.jsonl", jsonl_text(with_masks))
+        else:
+            atomic_write_text(out / split / "metadata.jsonl", rows)
         if cfg.writes_hr:
             atomic_write_text(out / "hr" / split / "metadata.jsonl", rows)
 
