@@ -47,7 +47,7 @@ class GraphDenoiser:
         store = package_store(pipe, config.aoti, config.aoti_dir, self.loop_kind, self.report)
         packages = None
         if store is not None:
-            packages = PackageParts(store, self.unet, self.vae, config.attention, self.backends, self.report)
+            packages = PackageParts(store, self.unet, self.vae, config, self.backends, self.report)
         self.loops = LoopCache(
             self.unet,
             self.vae,
@@ -115,7 +115,7 @@ class GraphDenoiser:
             job.guidance_rescale,
             job.token_merge,
         )
-        loop = self.loops.get(plan, shape)
+        loop = self.loops.get(plan, shape, sampler_name(job.scheduler))
 
         def attempt() -> tuple[torch.Tensor, torch.Tensor | None]:
             with self._approximations(job, start):
@@ -157,10 +157,22 @@ class GraphDenoiser:
             stack.enter_context(merger.active(job.token_merge, tuple(latents.shape[-2:]), latents.device))
         return stack
 
+    def building_packages(self) -> int | None:
+        """The pid of the background package build this fast path started, while it runs (else None)."""
+        packages = self.loops.packages
+        return packages.builds.running() if packages is not None and packages.builds is not None else None
+
     def clear(self) -> None:
         """Drop the captured loops (and their memory pools) and the loaded packages: the next loop
         checks its packages again (after a change to the modules, e.g. new LoRA layers)."""
         self.loops.clear()
+
+
+def sampler_name(scheduler: Any) -> str | None:
+    """The sampler name (``SCHEDULERS``' key) of a diffusers scheduler, or None for another class."""
+    from rapiddiff.models.sampling import SCHEDULERS
+
+    return {cls: key for key, cls in SCHEDULERS.items()}.get(type(scheduler).__name__)
 
 
 def _make_plan(scheduler: Any, steps: int, start: int = 0, scaled_start: bool = False) -> Plan | str:
