@@ -238,3 +238,25 @@ def test_export_arguments_and_package_folder(tmp_path, monkeypatch):
     assert (
         torch.__version__
     )  # the key's torch field (fast_aoti.package_key) is what makes a new torch rebuild
+
+
+@pytest.mark.gpu
+def test_cuda_first_process_builds_in_the_background_and_the_next_loads(model):
+    """The real thing on a GPU: no fakes. The first fast path starts the export process and runs
+    torch.compile; once that process ends, a new fast path loads both packages (same image)."""
+    import time
+
+    kw = {**KW, "num_inference_steps": 5}
+    first = accelerate(RapidDiffusionPipeline.from_pretrained(model, device="cuda"), aoti="auto")
+    want = first(["一只熊猫"], **kw)
+    assert "building in the background" in first.report["aoti_unet"], first.report
+    deadline = time.monotonic() + 900
+    while (model / "accelerated" / fast_background.LOCK).exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    last = json.loads((model / "accelerated" / fast_background.LAST).read_text())
+    assert last["rc"] == 0, (model / "accelerated" / fast_background.LOG).read_text()[-3000:]
+    fast = accelerate(RapidDiffusionPipeline.from_pretrained(model, device="cuda"), aoti="auto")
+    out = fast(["一只熊猫"], **kw)
+    assert fast.report["aoti_unet"].startswith("loaded") and fast.report["aoti_decoder"].startswith("loaded")
+    rel = float((out.latents - want.latents).norm() / want.latents.norm())
+    assert rel < 2e-2, rel
