@@ -22,16 +22,22 @@ from rapiddiff.infer.fast_report import FastPathReport, SwitchStatus, fallback
 Plan = LinearPlan | ClippedDDIMPlan
 
 
+def shipped_model_dir() -> Path:
+    """The model inside the installed package (not $RAPIDDIFF_MODEL: a folder of the user's own)."""
+    import rapiddiff
+
+    return Path(rapiddiff.__file__).parent / "assets" / "model"
+
+
 def default_package_dir(model_path: str | Path) -> Path:
     """Where a model folder's packages live: ``MODEL/accelerated`` where it can be written, else (a
     read-only install, or the model shipped inside the package) the user cache, beside the other
     caches rapiddiff keeps (``$RAPIDDIFF_CACHE_DIR``, else ``~/.cache/rapiddiff``), one folder per model."""
     from rapiddiff.kg.cache import cache_dir
-    from rapiddiff.models.bundle import builtin_model_dir
 
     model = Path(model_path).resolve()
     inside = model / fast_aoti.PACKAGE_DIR
-    shipped = builtin_model_dir().resolve()
+    shipped = shipped_model_dir().resolve()
     writable = os.access(inside if inside.is_dir() else model, os.W_OK)
     if writable and model != shipped:
         return inside

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapiddiff.infer import accelerate_cli, fast_aoti, fast_background
+from rapiddiff.infer import accelerate_cli, fast_aoti, fast_background, fast_packages
 from rapiddiff.infer.accelerate import accelerate
 from rapiddiff.infer.fast_background import BackgroundBuilds, BuildRequest, export_argv
 from rapiddiff.infer.fast_config import AccelerateConfig
@@ -230,7 +230,7 @@ def test_export_arguments_and_package_folder(tmp_path, monkeypatch):
     # A writable model folder keeps its packages; the shipped model's go to the user cache.
     assert default_package_dir(tmp_path) == tmp_path.resolve() / "accelerated"
     monkeypatch.setenv("RAPIDDIFF_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("RAPIDDIFF_MODEL", str(tmp_path))
+    monkeypatch.setattr(fast_packages, "shipped_model_dir", lambda: tmp_path)
     shipped = default_package_dir(tmp_path)
     assert shipped.parent == tmp_path / "cache" / "accelerated" and shipped.name.startswith(
         tmp_path.name + "-"
