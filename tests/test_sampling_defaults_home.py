@@ -78,7 +78,9 @@ class _Scan(ast.NodeVisitor):
             for kw in node.keywords:
                 if kw.arg == "default" and _literal(kw.value):
                     self._hit(node, f"--{_option_name(node)} default={ast.unparse(kw.value)}")
-        if name in ("SamplingDefaults", "SamplingConfig"):
+        # A preset is a measured choice with one home too: the PRESETS table beside SamplingDefaults.
+        preset_home = name == "SamplingPreset" and self.path == HOME[0]
+        if name in ("SamplingDefaults", "SamplingConfig", "SamplingPreset") and not preset_home:
             for kw in node.keywords:
                 if kw.arg in NAMES and _contains_literal(kw.value):
                     self._hit(node, f"{name}({kw.arg}={ast.unparse(kw.value)})")
@@ -149,6 +151,7 @@ def test_the_scan_finds_each_kind_of_literal(tmp_path: Path) -> None:
         "@dataclass\nclass C:\n    scheduler: str = 'ddim'\n    size: int = 50\n"
         "def g(p):\n    p.add_argument('--steps', type=int, default=20)\n    p.add_argument('--seed', default=7)\n"
         "    SamplingDefaults(scheduler=kind or 'pndm')\n"
+        "    SamplingPreset(num_inference_steps=12, scheduler='ddim', deep_cache=1, summary='')\n"
         "    return {'sampling': {'guidance_scale': 9}}\n"
         "def ok(steps=None, guidance_scale=DEFAULTS.guidance_scale): ...\n",
         encoding="utf-8",
@@ -164,6 +167,8 @@ def test_the_scan_finds_each_kind_of_literal(tmp_path: Path) -> None:
         "field C.scheduler = 'ddim'",
         "--steps default=20",
         "SamplingDefaults(scheduler=kind or 'pndm')",
+        "SamplingPreset(num_inference_steps=12)",
+        "SamplingPreset(scheduler='ddim')",
         '"sampling": {"guidance_scale": 9}',
     ]
     assert yaml_literals(tmp_path) == ["configs/a.yaml: model.sampling.num_inference_steps: 30"]

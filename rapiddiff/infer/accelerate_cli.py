@@ -2,10 +2,12 @@
 
     rapiddiff accelerate export --model DIR --batch 1 4          # build DIR/accelerated/*.pt2
     rapiddiff accelerate check --model DIR --batch 1             # would they load here? (no building)
-    rapiddiff generate --model DIR --fast ...                    # (python: accelerate(pipe, aoti="load"))
+    rapiddiff generate --model DIR --fast ...                    # loads them (python: accelerate(pipe, aoti="auto"))
 
 ``export`` runs one short generation per batch size through ``accelerate(pipe, aoti="build")``: the
 same code that loads the packages builds them, for exactly the shapes and switches the loop uses.
+``generate --fast`` and ``serve --fast`` run it by themselves, in the background, where a package
+is missing or stale (:mod:`rapiddiff.infer.fast_background`); this command builds them up front.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Build (export) or check the AOTInductor packages of the fast path's U-Net and VAE decoder, "
         "kept in MODEL/accelerated/ and keyed by GPU, torch/CUDA version, dtype, shapes, switches and "
-        "the weights files. A new process with accelerate(pipe, aoti='load') loads them instead of "
-        "compiling; a stale package is rebuilt (export) or skipped (load) with the reason logged. "
+        "the weights files. A new process with accelerate(pipe, aoti='load' or 'auto') loads them "
+        "instead of compiling; a stale package is rebuilt (export) or skipped (load) with the reason "
+        "logged. `generate --fast` and `serve --fast` start an export in the background where one is "
+        "missing (--no-packages: never). "
         "Export builds with a C++ compiler whose code runs in this Python ($CXX if it passes, else "
         "the first of g++, c++, g++-N that does, said in the log) and opens each new package in a "
         "fresh process before keeping it."
@@ -59,7 +63,16 @@ def register(parser: argparse.ArgumentParser) -> None:
             metavar="KEY=VALUE",
             help="AccelerateConfig fields, e.g. attention=flash channels_last=false",
         )
-        cmd.add_argument("--dir", default=None, help="package folder (default: MODEL/accelerated)")
+        cmd.add_argument(
+            "--scheduler",
+            default=None,
+            help="sampler of the loop (the package key holds its timesteps' dtype; default: the model's)",
+        )
+        cmd.add_argument(
+            "--dir",
+            default=None,
+            help="package folder (default: MODEL/accelerated where writable, else the user cache)",
+        )
         cmd.add_argument("--device", default="auto")
         cmd.set_defaults(func=run)
 
@@ -108,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             height=args.height,
             width=args.width,
             seed=0,
+            **({"scheduler": args.scheduler} if args.scheduler else {}),
             output_type="np",
             progress=False,
         )

@@ -38,7 +38,7 @@ log = get_logger(__name__)
 
 FORMAT = 1
 PACKAGE_DIR = "accelerated"
-MODES = ("off", "load", "build")
+MODES = ("off", "load", "build", "auto")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 # Where each part's weights live in a diffusers-layout model folder.
 PART_FOLDERS = {"unet": "unet", "decoder": "vae"}
@@ -453,6 +453,8 @@ class PackageStore:
         if mode not in MODES[1:]:
             raise ValueError(f"aoti mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.folder, self.weights_root, self.mode = Path(folder), weights_root, mode
+        # part → the key it wanted and why no package matched (what "auto" builds in the background)
+        self.missing: dict[str, tuple[dict[str, Any], str]] = {}
 
     def weights(self, part: str, path: Path) -> tuple[str, dict[str, dict[str, Any]]]:
         """The weights field of the key (reusing the manifest's per-file hashes when unchanged)."""
@@ -479,13 +481,15 @@ class PackageStore:
 
         ``fields``: {"shapes": ..., "switches": ...}; ``extra``: more manifest fields for a build. A matching, intact package is loaded; else
         ``mode == "build"`` rebuilds it (the reason logged), and ``mode == "load"`` returns None
-        with the reason (the caller keeps torch.compile).
+        with the reason (the caller keeps torch.compile); ``mode == "auto"`` does as "load" and
+        keeps the wanted key in :attr:`missing` (:mod:`rapiddiff.infer.fast_background` builds it).
         """
         probe = package_key(part, device=device, dtype=dtype, weights="", **fields)
         path = package_path(self.folder, probe)
         weights, files = self.weights(part, path)
         key = {**probe, "weights": weights}
         reason = check_package(path, key, module)
+        self.missing.pop(part, None)
         if reason is None:
             manifest = read_manifest(path)
             started = time.perf_counter()
@@ -496,6 +500,9 @@ class PackageStore:
             else:
                 took = time.perf_counter() - started
                 return compiled, SwitchStatus("on", f"loaded {path.name}", f"{took:.2f} s"), manifest
+        if self.mode == "auto":
+            self.missing[part] = (key, reason)
+            return None, fallback(reason, "torch.compile"), None
         if self.mode == "load":
             why = f"{reason}; build it with `rapiddiff accelerate export`"
             return None, fallback(why, "torch.compile"), None

@@ -63,15 +63,29 @@ class LoopCache:
     def kv_fn(self, context: torch.Tensor) -> Any:
         return cross_attention_kv(self.unet, context)
 
-    def get(self, plan: Plan, shape: LoopShape, control_net: torch.nn.Module | None = None) -> DenoiseLoop:
+    def get(
+        self,
+        plan: Plan,
+        shape: LoopShape,
+        control_net: torch.nn.Module | None = None,
+        sampler: str | None = None,
+    ) -> DenoiseLoop:
+        """The loop of ``plan`` and ``shape``; ``sampler`` (its name) is what a background package
+        build needs to make the same plan (the timesteps' dtype is part of a package's key)."""
         key = (shape, plan.num_evaluations, id(plan))
         if key not in self.loops:
             while len(self.loops) >= max(1, self.max_graphs):
                 self.loops.pop(next(iter(self.loops)))  # oldest first; its graph pool is freed
-            self.loops[key] = self._build(plan, shape, control_net)
+            self.loops[key] = self._build(plan, shape, control_net, sampler)
         return self.loops[key]
 
-    def _build(self, plan: Plan, shape: LoopShape, control_net: torch.nn.Module | None = None) -> DenoiseLoop:
+    def _build(
+        self,
+        plan: Plan,
+        shape: LoopShape,
+        control_net: torch.nn.Module | None = None,
+        sampler: str | None = None,
+    ) -> DenoiseLoop:
         _, _, h, w = shape.noise
         exact = shape.deep_cache <= 1 and shape.token_merge <= 0
         # An exported U-Net package has no inputs for a ControlNet's residuals.
@@ -95,7 +109,7 @@ class LoopCache:
             unet_fn = merger.stepped(unet_fn, plan.num_evaluations)
         if self.packages is not None and packaged:
             unet_fn, decode_fn = self.packages.swap_in(
-                plan, shape.noise, shape.context, unet_fn, decode_fn, self.cross_kv
+                plan, shape.noise, shape.context, unet_fn, decode_fn, self.cross_kv, sampler
             )
         return DenoiseLoop(
             unet_fn,

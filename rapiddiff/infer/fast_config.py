@@ -46,9 +46,14 @@ class AccelerateConfig:
     """AOTInductor packages of the U-Net and VAE decoder in place of torch.compile in the GPU loop
     (:mod:`rapiddiff.infer.fast_aoti`): "off"; "load": use the package built for this GPU, torch,
     shape and switches, else torch.compile with the reason logged; "build": also export a missing or
-    stale package (minutes), then load it — what ``rapiddiff accelerate export`` does."""
+    stale package (minutes), then load it — what ``rapiddiff accelerate export`` does; "auto": as
+    "load", and a missing or stale package is built by a background process for the next one
+    (:mod:`rapiddiff.infer.fast_background`; on CUDA, else as "load") — what ``generate --fast``
+    and ``serve --fast`` use. Off by default in the library: a call that starts processes is the
+    commands' choice, not a side effect of ``accelerate(pipe)``."""
     aoti_dir: str | None = None
-    """Folder of the packages; None: ``<the pipeline's model folder>/accelerated``."""
+    """Folder of the packages; None: ``<the pipeline's model folder>/accelerated`` where it can be
+    written, else a folder of the user cache (:func:`rapiddiff.infer.fast_packages.default_package_dir`)."""
     batch_time_proj: bool = True
     """The ResNet blocks' time-embedding projections as one product over their stacked weights
     (:mod:`rapiddiff.infer.fast_time`). U-Nets whose time embedding feeds only ResNet blocks

@@ -47,7 +47,7 @@ class GraphDenoiser:
         store = package_store(pipe, config.aoti, config.aoti_dir, self.loop_kind, self.report)
         packages = None
         if store is not None:
-            packages = PackageParts(store, self.unet, self.vae, config.attention, self.backends, self.report)
+            packages = PackageParts(store, self.unet, self.vae, config, self.backends, self.report)
         self.loops = LoopCache(
             self.unet,
             self.vae,
@@ -124,7 +124,9 @@ class GraphDenoiser:
             tuple(tuple(image.shape) for image in job.control.images) if job.control is not None else (),
             id(job.control.net) if job.control is not None else 0,
         )
-        loop = self.loops.get(plan, shape, job.control.net if job.control is not None else None)
+        loop = self.loops.get(
+            plan, shape, job.control.net if job.control is not None else None, sampler_name(job.scheduler)
+        )
         if job.control is not None:
             assert loop.control is not None
             loop.control.load(job.control)
@@ -170,10 +172,22 @@ class GraphDenoiser:
             stack.enter_context(merger.active(job.token_merge, tuple(latents.shape[-2:]), latents.device))
         return stack
 
+    def building_packages(self) -> int | None:
+        """The pid of the background package build this fast path started, while it runs (else None)."""
+        packages = self.loops.packages
+        return packages.builds.running() if packages is not None and packages.builds is not None else None
+
     def clear(self) -> None:
         """Drop the captured loops (and their memory pools) and the loaded packages: the next loop
         checks its packages again (after a change to the modules, e.g. new LoRA layers)."""
         self.loops.clear()
+
+
+def sampler_name(scheduler: Any) -> str | None:
+    """The sampler name (``SCHEDULERS``' key) of a diffusers scheduler, or None for another class."""
+    from rapiddiff.models.sampling import SCHEDULERS
+
+    return {cls: key for key, cls in SCHEDULERS.items()}.get(type(scheduler).__name__)
 
 
 def _make_plan(scheduler: Any, steps: int, start: int = 0, scaled_start: bool = False) -> Plan | str:

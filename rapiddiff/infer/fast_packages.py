@@ -4,14 +4,17 @@ packages in place of the compiled U-Net and decoder (:mod:`rapiddiff.infer.fast_
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rapiddiff.infer import fast_aoti
+from rapiddiff.infer import fast_aoti, fast_background
 from rapiddiff.infer.fast_attention import BackendTable, cross_attention_kv
 from rapiddiff.infer.fast_plan import ClippedDDIMPlan, LinearPlan
 from rapiddiff.infer.fast_report import FastPathReport, SwitchStatus, fallback
@@ -19,13 +22,36 @@ from rapiddiff.infer.fast_report import FastPathReport, SwitchStatus, fallback
 Plan = LinearPlan | ClippedDDIMPlan
 
 
+def shipped_model_dir() -> Path:
+    """The model inside the installed package (not $RAPIDDIFF_MODEL: a folder of the user's own)."""
+    import rapiddiff
+
+    return Path(rapiddiff.__file__).parent / "assets" / "model"
+
+
+def default_package_dir(model_path: str | Path) -> Path:
+    """Where a model folder's packages live: ``MODEL/accelerated`` where it can be written, else (a
+    read-only install, or the model shipped inside the package) the user cache, beside the other
+    caches rapiddiff keeps (``$RAPIDDIFF_CACHE_DIR``, else ``~/.cache/rapiddiff``), one folder per model."""
+    from rapiddiff.kg.cache import cache_dir
+
+    model = Path(model_path).resolve()
+    inside = model / fast_aoti.PACKAGE_DIR
+    shipped = shipped_model_dir().resolve()
+    writable = os.access(inside if inside.is_dir() else model, os.W_OK)
+    if writable and model != shipped:
+        return inside
+    digest = hashlib.sha256(str(model).encode()).hexdigest()[:12]
+    return cache_dir() / fast_aoti.PACKAGE_DIR / f"{model.name}-{digest}"
+
+
 def package_store(pipe: Any, mode: str, folder: str | None, loop_kind: str, report: FastPathReport) -> Any:
-    """The package store for ``mode`` ("off", "load", "build"), or None with the reason reported."""
+    """The package store for ``mode`` ("off", "load", "build", "auto"), or None with the reason reported."""
     if mode == "off":
         report.set("aoti", SwitchStatus("off"))
         return None
     model_path = getattr(pipe, "model_path", None)
-    folder = folder or (str(Path(model_path) / fast_aoti.PACKAGE_DIR) if model_path else None)
+    folder = folder or (str(default_package_dir(model_path)) if model_path else None)
     if folder is None:
         report.set(
             "aoti", fallback("no model folder to keep packages beside; pass aoti_dir", "torch.compile")
@@ -34,8 +60,27 @@ def package_store(pipe: Any, mode: str, folder: str | None, loop_kind: str, repo
     if loop_kind == "eager":
         report.set("aoti", fallback("packages serve the GPU loop; loop=eager", "torch.compile"))
         return None
+    device = next(pipe.unet.parameters()).device
+    if mode == "auto" and device.type not in fast_background.BACKGROUND_DEVICES:
+        mode = "load"  # no background builds here (see BACKGROUND_DEVICES): use what exists
+    if mode == "auto" and not model_path:
+        mode = "load"  # a builder process loads the model from its folder
     report.set("aoti", SwitchStatus("on", mode, f"{folder}; per shape at first use"))
     return fast_aoti.PackageStore(Path(folder), Path(model_path) if model_path else None, mode)
+
+
+def export_switches(config: Any) -> tuple[str, ...]:
+    """The AccelerateConfig fields that differ from their defaults, as ``accelerate export
+    --switches`` takes them, so a background build compiles the graph this process runs."""
+    default = type(config)()
+    skip = {"aoti", "aoti_dir", "compile_cache"}
+    out = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name not in skip and value != getattr(default, f.name):
+            word = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            out.append(f"{f.name}={word}")
+    return tuple(out)
 
 
 class PackageParts:
@@ -46,14 +91,19 @@ class PackageParts:
         store: fast_aoti.PackageStore,
         unet: torch.nn.Module,
         vae: torch.nn.Module,
-        attention: str,
+        config: Any,
         backends: BackendTable,
         report: FastPathReport,
     ) -> None:
         self.store, self.unet, self.vae, self.report = store, unet, vae, report
-        self.attention, self.backends = attention, backends
+        self.config, self.attention, self.backends = config, config.attention, backends
         self.device = next(unet.parameters()).device
         self.calls: dict[str, Any] = {}  # part + key fields → loaded package (or None: fall back)
+        self.builds = (
+            fast_background.BackgroundBuilds(store.folder, sum(p.numel() for p in unet.parameters()))
+            if store.mode == "auto"
+            else None
+        )
 
     def fields(self, plan: Plan, noise_shape: tuple, context_shape: tuple) -> dict[str, dict[str, Any]]:
         """The shapes and switches part of each package's key (see fast_aoti.package_key)."""
@@ -95,7 +145,14 @@ class PackageParts:
             self.backends.table.setdefault((int(row[0]), int(row[1]), int(row[2])), str(row[3]))
 
     def swap_in(
-        self, plan: Plan, noise_shape: tuple, context_shape: tuple, unet_fn: Any, decode_fn: Any, kv: bool
+        self,
+        plan: Plan,
+        noise_shape: tuple,
+        context_shape: tuple,
+        unet_fn: Any,
+        decode_fn: Any,
+        kv: bool,
+        sampler: str | None = None,
     ) -> tuple[Any, Any]:
         """The loaded (or built) packages in place of the compiled U-Net and decoder, part by part."""
         fields = self.fields(plan, noise_shape, context_shape)
@@ -126,6 +183,7 @@ class PackageParts:
                     self.report.set(f"aoti_{part}", status)
                     self.calls[memo] = call
                 loaded[part] = self.calls[memo]
+        self._request_missing(noise_shape, context_shape, sampler)
         if loaded["unet"] is not None:
             unet_call = loaded["unet"]
 
@@ -137,6 +195,28 @@ class PackageParts:
         if loaded["decoder"] is not None:
             decode_fn = loaded["decoder"]
         return unet_fn, decode_fn
+
+    def _request_missing(self, noise_shape: tuple, context_shape: tuple, sampler: str | None) -> None:
+        """With aoti="auto": the parts that had no package get a background build (said in the report)."""
+        if self.builds is None or not self.store.missing:
+            return
+        missing, self.store.missing = dict(self.store.missing), {}
+        scale = 2 ** (len(self.vae.config.block_out_channels) - 1)  # sampling.vae_scale_factor
+        request = fast_background.BuildRequest(
+            model=str(self.store.weights_root),
+            folder=str(self.store.folder),
+            device=str(self.device),
+            height=int(noise_shape[2]) * scale,
+            width=int(noise_shape[3]) * scale,
+            guidance=context_shape[0] == 2 * noise_shape[0],
+            sampler=sampler,
+            switches=export_switches(self.config),
+            batch=int(noise_shape[0]),
+            keys=fast_background.keys_digest([key for key, _ in missing.values()]),
+        )
+        status = self.builds.request(request)
+        for part, (_, reason) in missing.items():
+            self.report.set(f"aoti_{part}", fallback(f"{reason}; {status.reason}", status.value))
 
     @contextlib.contextmanager
     def _eager_modules(self) -> Iterator[None]:

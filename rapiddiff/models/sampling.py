@@ -38,6 +38,7 @@ SCHEDULERS: dict[str, str] = {
     "pndm": "PNDMScheduler",
     "ddim": "DDIMScheduler",
     "dpm++": "DPMSolverMultistepScheduler",
+    "unipc": "UniPCMultistepScheduler",
 }
 _SCHEDULER_ALIASES = {"plms": "pndm", "dpmsolver++": "dpm++", "dpm-solver++": "dpm++", "dpmpp": "dpm++"}
 
@@ -115,7 +116,7 @@ class SamplingDefaults:
     guidance_scale: float = 7.5
     """Classifier-free guidance scale; ≤ 1 turns guidance off."""
     scheduler: str = "pndm"
-    """Sampler: pndm, ddim or dpm++."""
+    """Sampler: pndm, ddim, dpm++ or unipc."""
     guidance_rescale: float = 0.0
     """CFG rescale φ (Lin et al. 2024, §3.4): the guided output's std pulled back to the text
     branch's by this fraction; 0 is plain guidance. 0.7 is the paper's value for a zero-terminal-SNR
@@ -162,6 +163,62 @@ class SamplingDefaults:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SamplingPreset:
+    """A named set of sampling settings chosen by measurement (``--preset NAME``): what it sets
+    replaces the model's defaults; a flag given beside it wins."""
+
+    num_inference_steps: int
+    scheduler: str
+    deep_cache: int
+    """DeepCache interval (1: exact, every step runs the whole U-Net)."""
+    summary: str
+    """One line for ``--help``: what the preset is for and how it was chosen."""
+
+    def __post_init__(self) -> None:
+        SamplingDefaults(num_inference_steps=self.num_inference_steps, scheduler=self.scheduler)  # checks
+        if not isinstance(self.deep_cache, int) or self.deep_cache < 1:
+            raise ValueError(f"deep_cache must be an integer ≥ 1, got {self.deep_cache!r}")
+
+    def settings(self) -> dict[str, Any]:
+        """What it sets, as pipeline keyword arguments."""
+        return {
+            "num_inference_steps": self.num_inference_steps,
+            "scheduler": self.scheduler,
+            "deep_cache": self.deep_cache,
+        }
+
+    def describe(self) -> str:
+        cache = f", DeepCache every {self.deep_cache}" if self.deep_cache > 1 else ""
+        return f"{self.scheduler}, {self.num_inference_steps} steps{cache}: {self.summary}"
+
+
+# The presets, in one table (the one home of sampling defaults, as SamplingDefaults). "fast" is the
+# candidate until benchmarks/seconds_to_image.py measures the choice: the fewest seconds per image
+# whose quality stays within reach of 50 PNDM steps (DPM-Solver++ 2M at 20 steps is the common
+# choice for SD 1.x; Lu et al. 2022 report converged samples in 15–20 steps).
+PRESETS: dict[str, SamplingPreset] = {
+    "fast": SamplingPreset(
+        num_inference_steps=20,
+        scheduler="dpm++",
+        deep_cache=1,
+        summary="fewer steps with a higher-order sampler (candidate; see benchmarks/seconds_to_image.py)",
+    ),
+}
+
+
+def preset(name: str) -> SamplingPreset:
+    """The preset called ``name``; an error listing them otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def presets_help() -> str:
+    """Every preset and what it sets, one a line (for ``--help``)."""
+    return "; ".join(f"{name}: {p.describe()}" for name, p in PRESETS.items())
 
 
 # ------------------------------------------------------------------------------- sizes
@@ -367,10 +424,12 @@ def decode(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "PRESETS",
     "SCHEDULERS",
     "ZERO_SNR_SAMPLERS",
     "Inpaint",
     "SamplingDefaults",
+    "SamplingPreset",
     "canonical_scheduler_name",
     "check_size",
     "decode",
@@ -381,6 +440,8 @@ __all__ = [
     "encode_images",
     "generators",
     "make_scheduler",
+    "preset",
+    "presets_help",
     "rescale_guidance",
     "scheduler_choices",
     "size_multiple",

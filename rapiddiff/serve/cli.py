@@ -57,6 +57,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--fast", action="store_true", help="the accelerated inference path (warmed up before /ready)"
     )
     parser.add_argument(
+        "--no-packages", action="store_true",
+        help="with --fast: no AOTInductor packages (by default the server starts from the ones built for "
+        "this model, GPU, torch and switches, and where they are missing builds them once in the background "
+        "for the next start, serving with torch.compile meanwhile)",
+    )  # fmt: skip
+    parser.add_argument(
         "--warmup-size", type=_warmup_size, action="append", metavar="WxH|N",
         help="with --fast: a size to warm up before /ready, WIDTHxHEIGHT as the API's size "
         "(repeatable; default: the model's size)",
@@ -98,6 +104,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         "send control_image; repeatable, one control image per net in a request, in this order",
     )
     parser.add_argument("--steps", type=int, help="steps when a request names none (default: the model's)")
+    from rapiddiff.models.sampling import PRESETS, presets_help
+
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS),
+        help=f"sampler and steps when a request names none, in place of the model's ({presets_help()}); "
+        "--steps beside it wins",
+    )  # fmt: skip
     parser.add_argument(
         "--upscale", action=argparse.BooleanOptionalAction, default=None,
         help="upscale when a request does not say (default: on when the model has an upscaler, as generate)",
@@ -126,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> object:
         devices=parse_devices(args.devices),
         dtype=args.dtype,
         fast=args.fast,
+        packages=not args.no_packages,
         warmup_sizes=list(args.warmup_size or []),
         max_batch=args.max_batch,
         fast_batches=_int_list(args.fast_batches, "--fast-batches"),
@@ -135,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> object:
         max_steps=args.max_steps,
         max_side=args.max_side,
         default_steps=args.steps,
+        preset=args.preset,
         default_upscale=args.upscale,
         loras=[parse_lora(item) for item in args.lora or []],
         controlnets=list(args.controlnet or []),

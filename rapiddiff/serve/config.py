@@ -25,6 +25,10 @@ class ServeConfig:
     """``auto`` (fp16 on CUDA, fp32 on CPU), ``float32``, ``float16`` or ``bfloat16``."""
     fast: bool = False
     """Use the pipeline's fast path (``accelerate(pipe)``); ``/ready`` waits for its warm-up."""
+    packages: bool = True
+    """With ``fast``: start from the AOTInductor packages of this model, GPU, torch and switches
+    (``aoti="auto"``: where they are missing or stale, built once in a background process for the
+    next start, torch.compile meanwhile); False: torch.compile only."""
     warmup_sizes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) pairs generated once before ``/ready`` with ``fast`` (default: the model's size);
     ``--warmup-size`` takes them as ``WIDTHxHEIGHT``, the API's form."""
@@ -48,6 +52,9 @@ class ServeConfig:
     max_side: int = 1024
     """Largest height or width (before upscaling) one request may ask for."""
     default_steps: int | None = None
+    preset: str | None = None
+    """A sampling preset's sampler and steps (``rapiddiff.models.sampling.PRESETS``) in place of the
+    model's defaults for requests that name none; ``default_steps`` wins over its steps."""
     """Steps when a request names none (default: the model folder's ``SamplingDefaults``)."""
     default_upscale: bool | None = None
     """Upscale when a request does not say (default: as ``rapiddiff generate``, on when the model has one)."""
@@ -79,6 +86,10 @@ class ServeConfig:
             )
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
+        if self.preset is not None:
+            from rapiddiff.models.sampling import preset
+
+            preset(self.preset)  # an unknown name fails here, listing the presets
         if self.default_steps is not None and not 1 <= self.default_steps <= self.max_steps:
             raise ValueError(
                 f"default_steps must be in 1..max_steps ({self.max_steps}), got {self.default_steps}"

@@ -136,7 +136,8 @@ def load_pipeline(config: ServeConfig, device_name: str) -> Any:
         sizes = max(1, len(config.warmup_sizes))
         from rapiddiff.infer.accelerate import accelerate
 
-        accelerate(pipe, max_graphs=len(batch_buckets(config.max_batch, config.fast_batches)) * sizes + 1)
+        graphs = len(batch_buckets(config.max_batch, config.fast_batches)) * sizes + 1
+        accelerate(pipe, max_graphs=graphs, aoti="auto" if config.packages else "off")
     linker = getattr(pipe.text_encoder, "linker", None)
     if linker is not None:
         linker.link("番茄")  # jieba loads its dictionary on first use: pay that before /ready
@@ -202,6 +203,15 @@ def model_limits(pipe: Any, config: ServeConfig) -> ModelLimits:
 
     # The folder's rapiddiff.json "sampling" over the library's defaults, as the pipeline read it.
     defaults = pipe.sampling
+    if config.preset is not None:
+        from rapiddiff.models.sampling import preset
+
+        chosen = preset(config.preset)
+        if chosen.deep_cache > 1:
+            log.warning("preset %s: the server runs no DeepCache; its sampler and steps apply", config.preset)
+        defaults = dataclasses.replace(
+            defaults, num_inference_steps=chosen.num_inference_steps, scheduler=chosen.scheduler
+        )
     if config.default_steps is not None:
         defaults = dataclasses.replace(defaults, num_inference_steps=config.default_steps)
     encoder = pipe.text_encoder

@@ -302,7 +302,7 @@ def test_store_keys_packages_to_the_model_folders_weights(tmp_path, monkeypatch)
 
 
 def test_config_and_switch_parsing():
-    with pytest.raises(ValueError, match="aoti must be one of off, load, build"):
+    with pytest.raises(ValueError, match="aoti must be one of off, load, build, auto"):
         AccelerateConfig(aoti="yes")
     assert parse_switches(["fuse_qkv=false", "compile_unet=none", "max_graphs=3", "attention=flash"]) == {
         "fuse_qkv": False,
@@ -521,15 +521,17 @@ def test_regional_compilation_lets_dynamo_keep_a_graph_per_block(tiny_model):
         assert config.recompile_limit == 1000  # a larger setting is kept
 
 
-def test_generate_passes_aoti_to_the_fast_path(tiny_model, tmp_path, monkeypatch, capsys):
+def test_generate_uses_packages_by_default_and_no_packages_turns_them_off(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
     import importlib.machinery
     import types
 
     from rapiddiff.cli import main
 
     cli = ["generate", "x", "--model", str(tiny_model), "--steps", "2", "--device", "cpu", "--no-progress"]
-    assert main([*cli, "--aoti", "load", "--out", str(tmp_path)]) == 2
-    assert "--aoti needs --fast" in capsys.readouterr().err
+    assert main([*cli, "--no-packages", "--out", str(tmp_path)]) == 2
+    assert "--no-packages needs --fast" in capsys.readouterr().err
     seen = []
 
     def fake_accelerate(pipe, **switches):
@@ -541,9 +543,9 @@ def test_generate_passes_aoti_to_the_fast_path(tiny_model, tmp_path, monkeypatch
     fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
     fake.accelerate = fake_accelerate
     monkeypatch.setitem(sys.modules, name, fake)
-    assert main([*cli, "--fast", "--fast", "--aoti", "build", "--out", str(tmp_path / "a")]) == 0
+    assert main([*cli, "--fast", "--fast", "--no-packages", "--out", str(tmp_path / "a")]) == 0
     assert main([*cli, "--fast", "--fast", "--out", str(tmp_path / "b")]) == 0
-    assert seen == [{"aoti": "build"}, {}]
+    assert seen == [{"aoti": "off"}, {"aoti": "auto"}]
 
 
 def test_cold_start_benchmark_plans_the_key_comparison_first_and_summarises_failures():

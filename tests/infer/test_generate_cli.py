@@ -113,7 +113,7 @@ def test_prompts_file(model, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--scheduler", "euler"], "unknown scheduler 'euler'; choose one of: pndm, ddim, dpm++"),
+        (["--scheduler", "euler"], "unknown scheduler 'euler'; choose one of: pndm, ddim, dpm++, unipc"),
         (["--dtype", "fp8"], "unknown dtype 'fp8'; choose one of"),
         (["--size", "18"], "height 18 → nearest valid: 16 or 20"),
         (["--upscale"], "no upscaler"),
