@@ -89,6 +89,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     emo.add_argument("--size", type=int, default=None, help="image size in pixels (default 128)")
     emo.add_argument("--train-per-entity", type=int, default=None, help="training images per seen entity (8)")
+    emo.add_argument(
+        "--no-hr-copies",
+        dest="hr_copies",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not write hr/ even when the SVG packages are given (the base images do not change)",
+    )
     emo.add_argument("--overwrite", action="store_true", help="replace emoji files already in --out")
     emo.set_defaults(func=_emoji)
 
@@ -199,13 +207,16 @@ def _emoji(args: argparse.Namespace) -> int:
         "include": args.include,
         "size": args.size,
         "train_per_entity": args.train_per_entity,
+        "hr_copies": args.hr_copies,
     }
     cfg = load_config(EmojiConfig, args.config, **{k: v for k, v in given.items() if v is not None})
     try:
         summary = build_emoji(cfg, overwrite=args.overwrite)
     except FileExistsError as err:
         raise ValueError(str(err)) from err
-    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, ensure_ascii=False, indent=1))
+    shown = {k: v for k, v in summary.items() if k != "skipped"}
+    shown["hr"] = {k: v for k, v in summary["hr"].items() if k != "without"}  # the list is in build.json
+    print(json.dumps(shown, ensure_ascii=False, indent=1))
     return 0
 
 
