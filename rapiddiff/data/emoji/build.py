@@ -96,6 +96,9 @@ class EmojiConfig:
     hr_min_psnr: float = 20.0
     """An SVG draws a glyph's hr copies only if, rendered at 64 px, it matches the PNG to this PSNR
     (dB): the same artwork reads 21–40 dB, another revision of the design below 15."""
+    hr_min_iou: float = 0.8
+    """... and the IoU of their alpha masks is at least this (a redesigned thin line drawing can
+    keep a high PSNR, not its outline)."""
 
     def __post_init__(self) -> None:
         if self.size < 32 or self.size % 8:
@@ -166,13 +169,15 @@ def _hr_artwork(
                 without.append({"id": e.id, "style": style, "reason": f"{VECTOR_PACKAGES[style]} not given"})
                 continue
             svg, why = sets[style].svg(e.id)
-            score = agreement(glyphs[e.id, style], svg) if svg is not None else None
-            if svg is not None and score is not None and score >= cfg.hr_min_psnr:
-                art[e.id, style] = svg
-                agree.append(score)
-            else:
-                why = why or f"SVG is other artwork than the PNG ({score:.1f} dB < {cfg.hr_min_psnr:g})"
-                without.append({"id": e.id, "style": style, "reason": why})
+            if svg is not None:
+                score, iou = agreement(glyphs[e.id, style], svg)
+                if score >= cfg.hr_min_psnr and iou >= cfg.hr_min_iou:
+                    art[e.id, style] = svg
+                    agree.append(score)
+                    continue
+                why = (f"SVG is other artwork than the PNG ({score:.1f} dB, alpha IoU {iou:.2f}; "
+                       f"needs {cfg.hr_min_psnr:g} dB, {cfg.hr_min_iou:g})")  # fmt: skip
+            without.append({"id": e.id, "style": style, "reason": why})
     log.info("hr/: %d of %d glyphs drawn from SVG (%d without: see build.json hr.without)",
              len(art), len(art) + len(without), len(without))  # fmt: skip
     record = {
@@ -180,6 +185,7 @@ def _hr_artwork(
         "scale": cfg.hr_scale,
         "size": cfg.size * cfg.hr_scale,
         "min_psnr": cfg.hr_min_psnr,
+        "min_iou": cfg.hr_min_iou,
         "packages": {s: {"package": v.package.name, "version": v.package.version} for s, v in sets.items()},
         "glyphs": {s: sum(1 for k in art if k[1] == s) for s in STYLES},
         "median_glyph_psnr": round(float(np.median(agree)), 2) if agree else None,
