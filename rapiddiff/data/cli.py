@@ -103,6 +103,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also write each image's object mask (<split>/masks/, a `mask` column): for a mask ControlNet",
     )
+    emo.add_argument(
+        "--no-hr-copies",
+        dest="hr_copies",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not write hr/ even when the SVG packages are given (the base images do not change)",
+    )
     emo.add_argument("--overwrite", action="store_true", help="replace emoji files already in --out")
     emo.set_defaults(func=_emoji)
 
@@ -215,13 +223,16 @@ def _emoji(args: argparse.Namespace) -> int:
         "size": args.size,
         "train_per_entity": args.train_per_entity,
         "masks": args.masks,
+        "hr_copies": args.hr_copies,
     }
     cfg = load_config(EmojiConfig, args.config, **{k: v for k, v in given.items() if v is not None})
     try:
         summary = build_emoji(cfg, overwrite=args.overwrite)
     except FileExistsError as err:
         raise ValueError(str(err)) from err
-    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, ensure_ascii=False, indent=1))
+    shown = {k: v for k, v in summary.items() if k != "skipped"}
+    shown["hr"] = {k: v for k, v in summary["hr"].items() if k != "without"}  # the list is in build.json
+    print(json.dumps(shown, ensure_ascii=False, indent=1))
     return 0
 
 

@@ -158,6 +158,8 @@ class PairedImageDataset(Dataset):
     """Low/high-resolution pairs: the same file names in ``lr_dir`` and ``hr_dir`` (hr = scale × lr).
 
     kshapes writes ``DIR/train/`` and ``DIR/hr/train/``; any folder pair of that shape works.
+    ``hr_subset=True`` pairs only the low-resolution images that have a partner (emoji-zh: a glyph
+    with no matching SVG has no hr copy); an hr image without a low-resolution one stays an error.
     ``patch_size`` (low-resolution pixels) crops aligned random patches, with crop positions a
     function of (seed, epoch, index) so a resumed run crops the same patches; ``None`` keeps
     whole images. Items: ``{"lr": [3, h, w], "hr": [3, h·s, w·s]}`` in [0, 1], ``"index"``.
@@ -175,6 +177,7 @@ class PairedImageDataset(Dataset):
         patch_size: int | None = None,
         seed: int = 0,
         flips: bool = True,
+        hr_subset: bool = False,
     ) -> None:
         self.lr_dir, self.hr_dir = Path(lr_dir), Path(hr_dir)
         for folder in (self.lr_dir, self.hr_dir):
@@ -187,11 +190,12 @@ class PairedImageDataset(Dataset):
             raise ValueError(
                 f"no image file name appears in both {self.lr_dir} and {self.hr_dir}; the pairs must share names"
             )
-        missing = sorted(lows ^ highs)
+        missing = sorted(highs - lows if hr_subset else lows ^ highs)
         if missing:
             raise ValueError(
                 f"{len(missing)} images have no partner (e.g. {missing[0]}); {self.lr_dir} and "
                 f"{self.hr_dir} must hold the same file names"
+                + ("" if hr_subset else " (hr_subset=True pairs an hr folder that holds a subset on purpose)")
             )
         self.scale, self.patch_size, self.seed, self.flips = scale, patch_size, seed, flips
 
@@ -236,6 +240,8 @@ class PairedImageData(pl.LightningDataModule):
         batch_size: per process.
         num_workers: DataLoader worker processes; unset: the machine's (``auto_num_workers``).
         seed: seed of data order and crop positions.
+        hr_subset: the hr folders may hold a subset of the low-resolution names (emoji-zh: glyphs
+            without a matching SVG have no hr copy); only the pairs are used.
     """
 
     def __init__(
@@ -249,6 +255,7 @@ class PairedImageData(pl.LightningDataModule):
         batch_size: int = 16,
         num_workers: int | None = None,
         seed: int = 0,
+        hr_subset: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -260,13 +267,18 @@ class PairedImageData(pl.LightningDataModule):
         hp = self.hparams
         if self.train_set is None:
             self.train_set = PairedImageDataset(
-                hp.train_lr, hp.train_hr, scale=hp.scale, patch_size=hp.patch_size, seed=hp.seed
+                hp.train_lr,
+                hp.train_hr,
+                scale=hp.scale,
+                patch_size=hp.patch_size,
+                seed=hp.seed,
+                hr_subset=hp.hr_subset,
             )
         if hp.val_lr and self.val_set is None:
             if not hp.val_hr:
                 raise ValueError("data.val_lr is set but data.val_hr is not: give both validation folders")
             self.val_set = PairedImageDataset(
-                hp.val_lr, hp.val_hr, scale=hp.scale, patch_size=None, flips=False
+                hp.val_lr, hp.val_hr, scale=hp.scale, patch_size=None, flips=False, hr_subset=hp.hr_subset
             )
 
     def train_dataloader(self) -> DataLoader:

@@ -124,3 +124,32 @@ def make_packages(root: Path) -> Path:
         _package(root, "emojibase-data") / "zh" / "messages.json", {"groups": groups, "subgroups": subgroups}
     )
     return root
+
+
+# The SVG packages (Iconify JSON) of the hr/ copies: every glyph a 16-unit square of its PNG's colour,
+# except NO_SVG (absent, as Noto's flags are) and REDESIGNED (another colour: not the PNG's artwork).
+NO_SVG = ("google", "1f1e8-1f1f3")
+REDESIGNED = ("google", "1f436")
+ICONIFY = {"google": "@iconify-json/noto", "twitter": "@iconify-json/twemoji"}
+
+
+def make_svg_packages(root: Path) -> Path:
+    """Write @iconify-json/noto and @iconify-json/twemoji folders under ``root``; returns ``root``."""
+    for style, name in ICONIFY.items():
+        folder = root / f"{name.lstrip('@').replace('/', '-')}-1.0.0" / "package"
+        _write(folder / "package.json", {"name": name, "version": "1.0.0"})
+        _write(folder / "info.json", {"name": name, "author": {"name": "someone", "url": "https://example.org"},
+               "license": {"title": "CC BY 4.0", "spdx": "CC-BY-4.0", "url": "https://example.org/l"}})  # fmt: skip
+        icons, chars = {}, {}
+        for i, (unified, *_rest) in enumerate(EMOJI):
+            ident = unified.lower()
+            if (style, ident) == NO_SVG:
+                continue
+            r, g, b = 40 + 9 * i, 200 - 7 * i, 90 if style == "google" else 180
+            if (style, ident) == REDESIGNED:
+                r, g, b = 255 - r, 255 - g, 255 - b
+            icons[f"icon-{ident}"] = {"body": f'<rect width="16" height="16" fill="#{r:02x}{g:02x}{b:02x}"/>'}
+            chars[ident] = f"icon-{ident}"
+        _write(folder / "icons.json", {"prefix": style, "icons": icons, "width": 16, "height": 16})
+        _write(folder / "chars.json", chars)
+    return root

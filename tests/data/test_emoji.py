@@ -15,7 +15,7 @@ from rapiddiff.data.emoji import EmojiConfig, MissingPackageError, build_emoji, 
 from rapiddiff.data.emoji.catalog import Emoji
 from rapiddiff.data.emoji.splits import choose_splits, choose_subset
 from rapiddiff.kg.triples import read_aliases, read_triples
-from tests.data.emoji_fakes import CORRUPT, MALFORMED, make_packages
+from tests.data.emoji_fakes import CORRUPT, MALFORMED, NO_SVG, REDESIGNED, make_packages, make_svg_packages
 
 ENTITY_KEYS = {"id", "char", "zh", "zh_hant", "keywords", "unique_keywords", "category", "subcategory",
                "category_zh", "subcategory_zh", "split", "styles"}  # fmt: skip
@@ -222,3 +222,93 @@ def test_only_eligible_entities_are_held_out_and_the_shares_stay_shares_of_all()
     assert set(splits["heldout"]) | set(splits["val"]) <= eligible
     assert (len(splits["heldout"]), len(splits["val"])) == (20, 10)
     assert len(Counter(e.subcategory for e in emojis if e.id in splits["heldout"])) == 10
+
+
+# ----------------------------------------------------------------------------- hr/ copies from SVG
+@pytest.fixture(scope="module")
+def built_hr(tmp_path_factory, built):
+    pytest.importorskip("resvg_py", reason="the hr/ copies need resvg-py (pip install 'rapiddiff[emoji-hr]')")
+    root = tmp_path_factory.mktemp("emoji_hr")
+    _summary, _out, packages = built
+    svgs = make_svg_packages(root / "svg")
+    cfg = EmojiConfig(
+        out=root / "out",
+        packages=[str(packages), str(svgs)],
+        heldout=0.15,
+        validation=0.1,
+        train_per_entity=3,
+    )  # fmt: skip (the settings of `built`: the same base images)
+    return build_emoji(cfg, progress=False), root / "out"
+
+
+def test_hr_copies_are_4x_and_aligned_with_the_base_images(built_hr):
+    import numpy as np
+
+    from rapiddiff.data.emoji.vector import psnr
+
+    summary, out = built_hr
+    hr = summary["hr"]
+    assert hr["written"] and hr["size"] == 512 and hr["scale"] == 4
+    for split in ("train", "val", "test"):
+        rows = _rows(out / "hr" / split / "metadata.jsonl")
+        base = {r["file_name"]: r for r in _rows(out / split / "metadata.jsonl")}
+        assert rows and all(base[r["file_name"]] == r for r in rows)  # same names, same captions
+        assert hr["images"][split] == len(rows) == len(list((out / "hr" / split).glob("*.png")))
+        for r in rows:
+            high = Image.open(out / "hr" / split / r["file_name"])
+            assert high.size == (512, 512)
+            low = np.asarray(Image.open(out / split / r["file_name"]), dtype=np.float64)
+            # Box-reduced to 128², the SVG drawing lands on the 64 px PNG's composition.
+            assert psnr(np.asarray(high.reduce(4), dtype=np.float64), low) > 25, r["file_name"]
+
+
+def test_hr_leaves_out_glyphs_without_a_matching_svg_and_says_why(built_hr):
+    summary, out = built_hr
+    why = {(w["style"], w["id"]): w["reason"] for w in summary["hr"]["without"]}
+    assert "no SVG" in why[NO_SVG] and "other artwork" in why[REDESIGNED]
+    for split in ("train", "val", "test"):
+        left_out = [r for r in _rows(out / split / "metadata.jsonl") if (r["style"], r["entity"]) in why]
+        assert left_out and not any((out / "hr" / split / r["file_name"]).exists() for r in left_out)
+    licences = {p.name for p in (out / "LICENSES").iterdir()}
+    assert {"iconify-json-noto.LICENSE", "iconify-json-twemoji.LICENSE"} <= licences
+    assert "Twemoji** SVGs" in (out / "ATTRIBUTION.md").read_text(encoding="utf-8")
+
+
+def test_base_images_do_not_change_with_svgs_and_no_hr_copies_writes_none(built, built_hr, tmp_path):
+    from rapiddiff.cli import main
+
+    _s, plain, packages = built
+    _s, with_hr = built_hr
+    assert not (plain / "hr").exists() and "SVG packages" in built[0]["hr"]["reason"]
+    for split in ("train", "val", "test"):
+        files = sorted(p.name for p in (plain / split).iterdir())
+        assert files == sorted(p.name for p in (with_hr / split).iterdir())
+        assert all((plain / split / f).read_bytes() == (with_hr / split / f).read_bytes() for f in files)
+    svgs = with_hr.parent / "svg"
+    args = ["data", "emoji", "--out", str(tmp_path / "o"), "--package", str(packages), "--package", str(svgs)]
+    assert main([*args, "--no-hr-copies", "--train-per-entity", "1"]) == 0
+    assert not (tmp_path / "o" / "hr").exists()
+
+
+def test_svg_tarballs_are_found_by_their_npm_pack_names_and_resvg_is_required(tmp_path, monkeypatch):
+    import sys
+    import tarfile
+
+    from rapiddiff.data.emoji.packages import OPTIONAL
+    from rapiddiff.data.emoji.vector import RasteriserMissingError
+
+    svgs = make_svg_packages(tmp_path / "svg")
+    tarballs = tmp_path / "tgz"
+    tarballs.mkdir()
+    for folder in svgs.iterdir():  # npm pack names @iconify-json/noto's tarball iconify-json-noto-1.0.0.tgz
+        with tarfile.open(tarballs / f"{folder.name}.tgz", "w:gz") as archive:
+            archive.add(folder / "package", arcname="package")
+    found = find_packages([tarballs], tmp_path / "cache", names=(), optional=tuple(OPTIONAL))
+    assert set(found) == set(OPTIONAL) and (found["@iconify-json/noto"].root / "icons.json").is_file()
+    monkeypatch.setitem(sys.modules, "resvg_py", None)  # as if not installed
+    packages = make_packages(tmp_path / "pkgs")
+    with pytest.raises(RasteriserMissingError, match=r"rapiddiff\[emoji-hr\]"):
+        build_emoji(
+            EmojiConfig(out=tmp_path / "out", packages=[str(packages), str(tarballs)]), progress=False
+        )
+    assert not (tmp_path / "out").exists()  # refused before anything is written

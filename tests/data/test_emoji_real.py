@@ -79,3 +79,31 @@ def test_the_shipped_judge_names_the_real_training_renders(real):
     top1 = np.mean([t[0] == r["entity"] for t, r in zip(top, rows, strict=True)])
     top5 = np.mean([r["entity"] in t for t, r in zip(top, rows, strict=True)])
     assert top1 >= 0.85 and top5 >= 0.95, (top1, top5)
+
+
+def test_real_hr_copies_from_svg_are_aligned_with_the_png_compositions(real):
+    """With the SVG packages among RAPIDDIFF_EMOJI_PACKAGES (.ci/run packs them), hr/ holds 512²
+    copies drawn from Noto's and Twemoji's vectors: box-reduced to 128² each lands on its 128² image
+    (made from the 64 px PNG), and most glyphs have an SVG that is their PNG's artwork."""
+    import numpy as np
+    from PIL import Image
+
+    from rapiddiff.data.emoji.vector import psnr
+
+    summary, out = real
+    if not summary["hr"]["written"]:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but no hr/: .ci/run must pack @iconify-json/noto and @iconify-json/twemoji")
+        pytest.skip("no SVG packages among RAPIDDIFF_EMOJI_PACKAGES: " + summary["hr"]["reason"])
+    hr = summary["hr"]
+    assert hr["glyphs"]["twitter"] >= 38 and hr["glyphs"]["google"] >= 28, hr["glyphs"]  # of 40 each
+    rows = [
+        json.loads(line) for line in (out / "hr" / "train" / "metadata.jsonl").read_text("utf-8").splitlines()
+    ]
+    assert len(rows) >= 0.8 * summary["counts"]["images_train"]
+    scores = []
+    for r in rows:
+        high = Image.open(out / "hr" / "train" / r["file_name"])
+        low = np.asarray(Image.open(out / "train" / r["file_name"]), dtype=np.float64)
+        scores.append(psnr(np.asarray(high.reduce(4), dtype=np.float64), low))
+    assert min(scores) > 25 and np.median(scores) > 35, (min(scores), np.median(scores))

@@ -174,3 +174,16 @@ def test_paired_folders_must_match(tmp_path: Path) -> None:
     (hr_dir / "0001.png").rename(hr_dir / "other.png")
     with pytest.raises(ValueError, match="no partner"):
         PairedImageDataset(lr_dir, hr_dir)
+
+
+def test_hr_subset_pairs_only_the_names_both_folders_hold(tmp_path: Path) -> None:
+    from rapiddiff.train.data import PairedImageDataset
+
+    lr_dir, hr_dir = write_pairs(tmp_path / "pairs", n=3)
+    (hr_dir / "0001.png").unlink()  # emoji-zh: a glyph without a matching SVG has no hr copy
+    with pytest.raises(ValueError, match="hr_subset=True"):
+        PairedImageDataset(lr_dir, hr_dir)
+    assert PairedImageDataset(lr_dir, hr_dir, hr_subset=True).names == ["0000.png", "0002.png"]
+    (hr_dir / "0000.png").rename(hr_dir / "stray.png")  # an hr image without a base one: still an error
+    with pytest.raises(ValueError, match="no partner"):
+        PairedImageDataset(lr_dir, hr_dir, hr_subset=True)

@@ -24,13 +24,15 @@ from rapiddiff.data.emoji.compose import (
     CaptionIndex,
     Placement,
     compose,
+    compose_hr,
     compose_mask,
     sample_placement,
 )
 from rapiddiff.data.emoji.kg import aliases_tsv, choose_aliases, keyword_counts, kg_triples
 from rapiddiff.data.emoji.licenses import ATTRIBUTION, LICENSES_DIR, write_licenses
-from rapiddiff.data.emoji.packages import STYLES, find_packages
+from rapiddiff.data.emoji.packages import OPTIONAL, STYLES, VECTOR_PACKAGES, find_packages
 from rapiddiff.data.emoji.splits import choose_splits, choose_subset
+from rapiddiff.data.emoji.vector import agreement, rasterise, require_rasteriser, vector_sets
 from rapiddiff.utils.io import atomic_write_text, jsonl_text, prepare_output_folder
 from rapiddiff.utils.logging import get_logger
 
@@ -40,6 +42,7 @@ IMAGE_SPLITS = ("train", "val", "test")
 MASKS = "masks"  # <split>/masks/: the object masks (EmojiConfig.masks)
 OUTPUTS = (
     *IMAGE_SPLITS,
+    "hr",
     "kg",
     "glyphs",
     LICENSES_DIR,
@@ -54,8 +57,9 @@ OUTPUTS = (
     "emoji.yaml",
 )
 HR_NOTE = (
-    "no hr/ copies: the packages' artwork is 64 px, and a 4× copy needs the object at up to "
-    "0.46 × 512 = 236 px; an upsampled 64 px image would teach the upscaler blur"
+    "no hr/ copies: the PNG artwork is 64 px, and a 4× copy needs the object at up to "
+    "0.46 × 512 = 236 px (an upsampled 64 px image would teach the upscaler blur); pass the SVG "
+    f"packages ({', '.join(OPTIONAL)}, `npm pack` them) with --package to draw hr/ from vectors"
 )
 
 
@@ -90,6 +94,16 @@ class EmojiConfig:
     masks: bool = False
     """Also write each image's object mask, ``<split>/masks/NNNNNN.png`` (the pasted glyph's alpha),
     named in a ``mask`` column of metadata.jsonl: the conditioning images of a mask ControlNet."""
+    hr_scale: int = 4
+    """hr/<split>/ holds the images at size × hr_scale, drawn from the SVG packages where given (0: none)."""
+    hr_copies: bool = True
+    """False: no hr/ even when the SVG packages are given (the base images are the same either way)."""
+    hr_min_psnr: float = 20.0
+    """An SVG draws a glyph's hr copies only if, rendered at 64 px, it matches the PNG to this PSNR
+    (dB): the same artwork reads 21–40 dB, another revision of the design below 15."""
+    hr_min_iou: float = 0.8
+    """... and the IoU of their alpha masks is at least this (a redesigned thin line drawing can
+    keep a high PSNR, not its outline)."""
 
     def __post_init__(self) -> None:
         if self.size < 32 or self.size % 8:
@@ -100,7 +114,13 @@ class EmojiConfig:
             )
         if not (0 <= self.heldout < 1 and 0 <= self.validation < 1 and self.heldout + self.validation < 1):
             raise ValueError("heldout and validation are shares in [0, 1) that add up to less than 1")
+        if self.hr_scale < 0:
+            raise ValueError(f"hr_scale must be 0 (no hr/) or a positive factor, got {self.hr_scale}")
         self.out = Path(self.out)
+
+    @property
+    def writes_hr(self) -> bool:
+        return bool(self.hr_scale) and self.hr_copies
 
 
 def _check_glyphs(
@@ -128,6 +148,55 @@ def _check_glyphs(
                 f"artwork in {len(e.images)} style(s), needs 2",
             )
     return kept, glyphs
+
+
+def _hr_artwork(
+    cfg: EmojiConfig,
+    packages: dict[str, Any],
+    emojis: list[Emoji],
+    glyphs: dict[tuple[str, str], Image.Image],
+) -> tuple[dict[tuple[str, str], str], dict[str, Any]]:
+    """(emoji id, style) → the SVG that draws its hr copies, and build.json's "hr" record. A glyph
+    gets no hr copy (and is named, with why) where its style's SVG package is not given, the package
+    lacks it, or its SVG is not the PNG's artwork (below ``hr_min_psnr``)."""
+    if not cfg.writes_hr:
+        return {}, {"written": False, "reason": "hr_copies is false or hr_scale is 0"}
+    sets = vector_sets(packages)
+    if not sets:
+        log.info(HR_NOTE)
+        return {}, {"written": False, "reason": HR_NOTE}
+    art: dict[tuple[str, str], str] = {}
+    without: list[dict[str, Any]] = []
+    agree: list[float] = []
+    for e in emojis:
+        for style in sorted(e.images):
+            if style not in sets:
+                without.append({"id": e.id, "style": style, "reason": f"{VECTOR_PACKAGES[style]} not given"})
+                continue
+            svg, why = sets[style].svg(e.id)
+            if svg is not None:
+                score, iou = agreement(glyphs[e.id, style], svg)
+                if score >= cfg.hr_min_psnr and iou >= cfg.hr_min_iou:
+                    art[e.id, style] = svg
+                    agree.append(score)
+                    continue
+                why = (f"SVG is other artwork than the PNG ({score:.1f} dB, alpha IoU {iou:.2f}; "
+                       f"needs {cfg.hr_min_psnr:g} dB, {cfg.hr_min_iou:g})")  # fmt: skip
+            without.append({"id": e.id, "style": style, "reason": why})
+    log.info("hr/: %d of %d glyphs drawn from SVG (%d without: see build.json hr.without)",
+             len(art), len(art) + len(without), len(without))  # fmt: skip
+    record = {
+        "written": True,
+        "scale": cfg.hr_scale,
+        "size": cfg.size * cfg.hr_scale,
+        "min_psnr": cfg.hr_min_psnr,
+        "min_iou": cfg.hr_min_iou,
+        "packages": {s: {"package": v.package.name, "version": v.package.version} for s, v in sets.items()},
+        "glyphs": {s: sum(1 for k in art if k[1] == s) for s in STYLES},
+        "median_glyph_psnr": round(float(np.median(agree)), 2) if agree else None,
+        "without": without,
+    }
+    return art, record
 
 
 @dataclass(frozen=True)
@@ -197,16 +266,22 @@ def _write_images(
     splits: dict[str, list[Item]],
     glyphs: dict[tuple[str, str], Image.Image],
     progress: bool,
-) -> None:
+    hr_art: dict[tuple[str, str], str] | None = None,
+) -> dict[str, int]:
+    """The base images of every split, and the hr copy of each one whose glyph has an SVG in
+    ``hr_art`` (hr/<split>/, same file name); returns the hr images written per split."""
     from tqdm.auto import tqdm
 
+    hr_art = hr_art or {}
     bar = tqdm(
         total=sum(map(len, splits.values())), desc="emoji: composing", unit="img", disable=not progress
     )
+    hr_counts = {}
     for split, items in splits.items():
         (cfg.out / split).mkdir(parents=True, exist_ok=True)
         if cfg.masks:
             (cfg.out / split / MASKS).mkdir(exist_ok=True)
+        hr_rows = []
         for item in items:
             glyph = glyphs[item.entity.id, item.style]
             compose(glyph, item.place, cfg.size).save(
@@ -216,11 +291,23 @@ def _write_images(
                 compose_mask(glyph, item.place, cfg.size).save(
                     cfg.out / split / MASKS / item.file_name, format="PNG", compress_level=1
                 )
+            svg = hr_art.get((item.entity.id, item.style))
+            if svg is not None:
+                (cfg.out / "hr" / split).mkdir(parents=True, exist_ok=True)
+                hr = compose_hr(
+                    lambda side, svg=svg: rasterise(svg, side), item.place, cfg.size, cfg.hr_scale
+                )
+                hr.save(cfg.out / "hr" / split / item.file_name, format="PNG", compress_level=1)
+                hr_rows.append(item.metadata(split))
             bar.update()
         rows = [i.metadata(split) | ({"mask": f"{MASKS}/{i.file_name}"} if cfg.masks else {}) for i in items]
         # Metadata last: a folder with metadata.jsonl is a finished split.
         atomic_write_text(cfg.out / split / "metadata.jsonl", jsonl_text(rows))
+        if hr_rows:
+            atomic_write_text(cfg.out / "hr" / split / "metadata.jsonl", jsonl_text(hr_rows))
+        hr_counts[split] = len(hr_rows)
     bar.close()
+    return hr_counts
 
 
 def _entity_row(e: Emoji, split: str, aliases: list[tuple[str, str]]) -> dict[str, Any]:
@@ -238,7 +325,11 @@ def build_emoji(cfg: EmojiConfig, *, overwrite: bool = False, progress: bool = T
     from rapiddiff.utils.config import save_config
 
     with tempfile.TemporaryDirectory(prefix="rapiddiff-emoji-") as cache:
-        packages = find_packages(cfg.packages, Path(cache))
+        optional = tuple(OPTIONAL) if cfg.writes_hr else ()
+        packages = find_packages(cfg.packages, Path(cache), optional=optional)
+        if given_svgs := [n for n in optional if n in packages]:
+            require_rasteriser()  # before anything is written
+            log.info("hr/ copies drawn from %s", ", ".join(given_svgs))
         prepare_output_folder(cfg.out, OUTPUTS, overwrite, "emoji")
         summary = _build(cfg, packages, progress)
         write_licenses(cfg.out, packages)
@@ -253,6 +344,7 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
     catalogue = read_catalogue(packages, skipped)
     counts = keyword_counts(catalogue)
     emojis, glyphs = _check_glyphs(choose_subset(catalogue, cfg.limit, cfg.seed, cfg.include), skipped)
+    hr_art, hr = _hr_artwork(cfg, packages, emojis, glyphs)
     for row in skipped:
         log.warning("skipped %s [%s]: %s", row["file"], row["key"], row["reason"])
     ids = set(e.id for e in emojis)
@@ -268,7 +360,10 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
     alias_prompts = [{"id": i, "name": a, "kind": k} for i in splits["seen"] for a, k in aliases[i]]
     seen = [e for e in emojis if split_of[e.id] == "seen"]
     items = {split: sample_items(cfg, seen, split) for split in IMAGE_SPLITS}
-    _write_images(cfg, items, glyphs, progress)
+    hr_images = _write_images(cfg, items, glyphs, progress, hr_art)
+    if hr["written"]:
+        hr["images"] = hr_images
+        hr["images_without"] = {split: len(items[split]) - n for split, n in hr_images.items()}
 
     out = cfg.out
     for e in emojis:
@@ -298,7 +393,7 @@ def _build(cfg: EmojiConfig, packages: dict[str, Any], progress: bool) -> dict[s
         "out": str(out),
         "sources": {n: {"version": p.version, "from": p.source} for n, p in sorted(packages.items())},
         "styles": {s: {"package": STYLES[s], "image_size": 64} for s in STYLES},
-        "hr": {"written": False, "reason": HR_NOTE},
+        "hr": hr,
         "counts": {
             "catalogue": len(catalogue),
             "entities": len(emojis),

@@ -5,7 +5,7 @@ Backgrounds and positions are kshapes' (palette.BACKGROUNDS, LAYOUTS), so captio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,28 +108,42 @@ def sample_placement(rng: np.random.Generator) -> Placement:
     )
 
 
-def _placed(glyph: Image.Image, place: Placement, size: int) -> tuple[Image.Image, tuple[int, int]]:
-    """The glyph resized (Lanczos) to its placement, and where its top-left corner goes."""
+def _background(place: Placement) -> tuple[int, int, int]:
+    return tuple(  # type: ignore[return-value]
+        min(255, max(0, c + d))
+        for c, d in zip(BACKGROUNDS[place.background][0], place.background_shift, strict=True)
+    )
+
+
+def glyph_box(place: Placement, size: int) -> tuple[int, int, int]:
+    """(left, top, side) in pixels of the artwork in a ``size``² image."""
     side = max(1, round(place.scale * size))
-    art = glyph.convert("RGBA").resize((side, side), Image.Resampling.LANCZOS)
-    return art, (round(place.x * size - side / 2), round(place.y * size - side / 2))
+    return round(place.x * size - side / 2), round(place.y * size - side / 2), side
 
 
 def compose(glyph: Image.Image, place: Placement, size: int) -> Image.Image:
     """An RGB ``size``² image: the RGBA ``glyph`` resized (Lanczos) and alpha-composited."""
-    rgb = tuple(
-        min(255, max(0, c + d))
-        for c, d in zip(BACKGROUNDS[place.background][0], place.background_shift, strict=True)
-    )
-    canvas = Image.new("RGBA", (size, size), (*rgb, 255))
-    art, corner = _placed(glyph, place, size)
-    canvas.alpha_composite(art, corner)
+    canvas = Image.new("RGBA", (size, size), (*_background(place), 255))
+    left, top, side = glyph_box(place, size)
+    art = glyph.convert("RGBA").resize((side, side), Image.Resampling.LANCZOS)
+    canvas.alpha_composite(art, (left, top))
+    return canvas.convert("RGB")
+
+
+def compose_hr(draw: Callable[[int], Image.Image], place: Placement, size: int, scale: int) -> Image.Image:
+    """The ``scale``× copy of :func:`compose`'s image: the same background, and the artwork drawn by
+    ``draw(side)`` (an RGBA ``side``² image, e.g. an SVG rasterised at that size) in exactly
+    ``scale`` × the base image's box, so box-reducing it lands on the base image's pixel grid."""
+    canvas = Image.new("RGBA", (size * scale, size * scale), (*_background(place), 255))
+    left, top, side = glyph_box(place, size)
+    canvas.alpha_composite(draw(side * scale), (left * scale, top * scale))
     return canvas.convert("RGB")
 
 
 def compose_mask(glyph: Image.Image, place: Placement, size: int) -> Image.Image:
     """The object mask of :func:`compose`'s image ("L"): the placed glyph's alpha (0 = background)."""
     canvas = Image.new("L", (size, size), 0)
-    art, corner = _placed(glyph, place, size)
-    canvas.paste(art.getchannel("A"), corner)
+    left, top, side = glyph_box(place, size)
+    art = glyph.convert("RGBA").resize((side, side), Image.Resampling.LANCZOS)
+    canvas.paste(art.getchannel("A"), (left, top))
     return canvas

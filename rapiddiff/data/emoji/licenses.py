@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rapiddiff.data.emoji.packages import Package
+from rapiddiff.data.emoji.packages import OPTIONAL, Package, pack_name
 from rapiddiff.data.licenses import ATTRIBUTION, LICENSES_DIR, copy_licenses
 
 __all__ = ["ATTRIBUTION", "LICENSES_DIR", "copy_licenses", "write_licenses"]
@@ -33,8 +33,33 @@ compositions of their artwork; its names, keywords and knowledge graph come from
 - **emojibase-data** (Chinese subcategory labels): MIT licence, Copyright Miles Johnson
   (LICENSES/emojibase-data.LICENSE).
 
-A model trained on this data must keep this file and LICENSES/ beside its weights.
+{hr}A model trained on this data must keep this file and LICENSES/ beside its weights.
 """
+HR_ATTRIBUTION = """## The hr/ copies (4× images for the upscaler)
+
+Drawn from the same artwork as SVG, rasterised by resvg (each glyph's SVG checked against its PNG):
+
+{lines}
+"""
+HR_LINES = {
+    "@iconify-json/noto": "- **Noto Emoji** SVGs (style `google`, via npm `@iconify-json/noto` {version}): Copyright "
+    "Google Inc., Apache License 2.0 (LICENSES/iconify-json-noto.LICENSE).",
+    "@iconify-json/twemoji": "- **Twemoji** SVGs (style `twitter`, via npm `@iconify-json/twemoji` {version}): "
+    "Copyright Twitter, Inc. and other contributors, CC-BY 4.0 "
+    "(https://creativecommons.org/licenses/by/4.0/; LICENSES/iconify-json-twemoji.LICENSE). "
+    "Images were resized and placed on backgrounds.",
+}
+
+
+def _licence_file(root: Path) -> Path | None:
+    return next(
+        (
+            p
+            for p in sorted(root.iterdir())
+            if p.is_file() and p.name.upper().startswith(("LICENSE", "LICENCE"))
+        ),
+        None,
+    )
 
 
 def write_licenses(out: Path, packages: dict[str, Package]) -> list[str]:
@@ -43,7 +68,17 @@ def write_licenses(out: Path, packages: dict[str, Package]) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, package in sorted(packages.items()):
-        source = next((p for p in sorted(package.root.glob("LICEN[CS]E*")) if p.is_file()), None)
+        source = _licence_file(package.root)
+        if name in OPTIONAL:
+            # Iconify packages declare their artwork's licence in info.json (twemoji ships no file).
+            from rapiddiff.data.emoji.vector import license_text
+
+            shipped = f"\n{source.read_text(encoding='utf-8')}" if source else ""
+            (folder / f"{pack_name(name)}.LICENSE").write_text(
+                license_text(package) + shipped, encoding="utf-8"
+            )
+            written.append(f"{pack_name(name)}.LICENSE")
+            continue
         if source is None:
             raise FileNotFoundError(f"{package.root}: {name} ships no LICENSE file; is the package complete?")
         shutil.copyfile(source, folder / f"{name}.LICENSE")
@@ -52,5 +87,7 @@ def write_licenses(out: Path, packages: dict[str, Package]) -> list[str]:
         shutil.copyfile(APACHE_TEXT, folder / "Apache-2.0")
         written.append("Apache-2.0")
     versions = {k: packages[f"emoji-datasource-{k}"].version for k in ("google", "twitter")}
-    (out / ATTRIBUTION).write_text(ATTRIBUTION_TEXT.format(**versions), encoding="utf-8")
+    lines = [HR_LINES[n].format(version=packages[n].version) for n in OPTIONAL if n in packages]
+    hr = HR_ATTRIBUTION.format(lines="\n".join(lines)) + "\n" if lines else ""
+    (out / ATTRIBUTION).write_text(ATTRIBUTION_TEXT.format(**versions, hr=hr), encoding="utf-8")
     return written

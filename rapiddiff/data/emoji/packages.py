@@ -34,6 +34,13 @@ MEMBERS: dict[str, tuple[str, ...]] = {
     "emojibase-data": ("zh/messages.json",),
     "cldr-misc-full": ("main/zh/characterLabels.json",),
 }
+# Optional: the same styles as SVG (Iconify JSON), for the hr/ copies (vector.py).
+VECTOR_PACKAGES: dict[str, str] = {"google": "@iconify-json/noto", "twitter": "@iconify-json/twemoji"}
+OPTIONAL: dict[str, str] = {
+    "@iconify-json/noto": "Noto Emoji SVGs (for the 4× hr/ copies)",
+    "@iconify-json/twemoji": "Twemoji SVGs (for the 4× hr/ copies)",
+}
+MEMBERS |= {name: ("icons.json", "chars.json", "info.json") for name in OPTIONAL}
 STYLES: dict[str, str] = {"google": "emoji-datasource-google", "twitter": "emoji-datasource-twitter"}
 _TARBALL = re.compile(r"^(?P<name>.+?)-(?P<version>\d+\.\d+\.\d+[^/]*)\.tgz$")
 
@@ -77,11 +84,21 @@ def _candidates(path: Path) -> list[Path]:
     return found
 
 
+def pack_name(name: str) -> str:
+    """The file name stem ``npm pack`` gives a package: @scope/name → scope-name."""
+    return name.lstrip("@").replace("/", "-")
+
+
 def _extract(tarball: Path, name: str, cache: Path) -> Path:
     """Unpack what the builder reads of an npm tarball (:data:`MEMBERS`, package.json, LICENSE)
     into ``cache``; tarfile's "data" filter refuses unsafe paths."""
     target = cache / tarball.stem
-    wanted = ("package/package.json", "package/LICEN", *(f"package/{m}" for m in MEMBERS.get(name, ("",))))
+    wanted = (
+        "package/package.json",
+        "package/LICEN",
+        "package/licen",
+        *(f"package/{m}" for m in MEMBERS.get(name, ("",))),
+    )
     log.info("extracting %s", tarball)
     with tarfile.open(tarball) as archive:
         members = [m for m in archive if m.name.startswith(wanted)]
@@ -90,10 +107,14 @@ def _extract(tarball: Path, name: str, cache: Path) -> Path:
 
 
 def find_packages(
-    paths: Sequence[str | Path], cache: Path, names: Sequence[str] = tuple(REQUIRED)
+    paths: Sequence[str | Path],
+    cache: Path,
+    names: Sequence[str] = tuple(REQUIRED),
+    optional: Sequence[str] = (),
 ) -> dict[str, Package]:
-    """Each package of ``names`` from ``paths`` (a folder wins over a tarball of the same name);
-    tarballs are unpacked into ``cache``. Raises :class:`MissingPackageError` naming every missing one."""
+    """Each package of ``names`` (and those of ``optional`` that are there) from ``paths`` (a folder
+    wins over a tarball of the same name); tarballs are unpacked into ``cache``. Raises
+    :class:`MissingPackageError` naming every missing one of ``names``."""
     folders: dict[str, Package] = {}
     tarballs: dict[str, tuple[Path, str]] = {}
     for path in map(Path, paths):
@@ -106,11 +127,11 @@ def find_packages(
             elif (package := _from_folder(item)) is not None:
                 folders.setdefault(package.name, package)
     found: dict[str, Package] = {}
-    for name in names:
+    for name in (*names, *optional):
         if name in folders:
             found[name] = folders[name]
-        elif name in tarballs:
-            tarball, version = tarballs[name]
+        elif pack_name(name) in tarballs:
+            tarball, version = tarballs[pack_name(name)]
             found[name] = Package(name, version, _extract(tarball, name, cache), str(tarball))
     missing = [n for n in names if n not in found]
     if missing:
