@@ -112,12 +112,13 @@ def open_data(folder: Path, image_size: int) -> ControlImageTextDataset:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from diffusers import ControlNetModel
 
-    from rapiddiff.models.bundle import builtin_model_dir, load_model_folder
+    from rapiddiff.models.builtin import resolve_model
+    from rapiddiff.models.bundle import load_model_folder
     from rapiddiff.models.sampling import SamplingDefaults, vae_scale_factor
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    base = builtin_model_dir() if args.model == "builtin" else Path(args.model)
+    base = resolve_model(args.model)  # a folder, builtin or builtin:NAME
     bundle = load_model_folder(base, device=device, dtype=dtype, load_upscaler=False)
     controlnet = ControlNetModel.from_pretrained(args.controlnet).to(device, dtype).eval()
     defaults = bundle.sampling or SamplingDefaults()

@@ -87,14 +87,14 @@ def controlled_model(
 
 
 def _resolve(pretrained: str | None) -> str:
-    from rapiddiff.models.bundle import builtin_model_dir
+    from rapiddiff.models.builtin import resolve_model
 
     if pretrained is None:
         raise ValueError(
             "model.pretrained is required: the base model folder the ControlNet steers (a rapiddiff or "
-            "SD 1.x model folder, or builtin)"
+            "SD 1.x model folder, builtin or builtin:NAME)"
         )
-    return str(builtin_model_dir()) if pretrained == "builtin" else pretrained
+    return str(resolve_model(pretrained))
 
 
 class ControlNetTraining(LatentDiffusion):
