@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # kshapes_chain, emoji_builtin: beside this file
 
 from rapiddiff.utils.config import ConfigError, load_config  # noqa: E402
 
@@ -113,11 +115,9 @@ def _has_cuda() -> bool:
 
 
 def _done(folder: Path) -> bool:
-    return (
-        (folder / "model_index.json").exists()
-        or (folder / "config.json").exists()
-        or (folder / "DONE").exists()
-    )
+    """A stage's output folder is complete (each writes its index file last; DONE marks a packed one)."""
+    names = ("model_index.json", "config.json", "clip_config.json", "DONE")
+    return any((folder / name).exists() for name in names)
 
 
 class EmojiChain:
@@ -347,6 +347,7 @@ class EmojiChain:
             print(f"[emoji-chain] evaluations failed: {', '.join(failed)}", flush=True)
 
     def unet_and_eval(self) -> None:
+        self.ensure_data()  # a fresh machine after --unpack: the data is rebuilt, not carried
         jobs = {**self.unet_jobs(), **self.vae_judge_jobs()}
         failed = self.run_parallel(jobs) if jobs else []
         if any(f.startswith("unet_") for f in failed):
@@ -368,6 +369,70 @@ class EmojiChain:
             self.seed_dir(seed) / f"unet_{self.cfg.main_arm}", self.data, target,
             steps=self.cfg.eval_steps, guidance=guidance,
         )  # fmt: skip
+
+
+# ---- between device calls ----------------------------------------------------------------------
+
+
+def chain_texts(data: Path) -> list[str]:
+    """Every text the chain tokenizes: captions and evaluation prompts (the pruned vocabulary keeps
+    the store's names and aliases itself)."""
+    files = [data / split / "metadata.jsonl" for split in ("train", "val", "test")] + [data / "prompts.jsonl"]
+    return [
+        json.loads(line)["text"] for file in files if file.exists() for line in file.open(encoding="utf-8")
+    ]
+
+
+def pack(chain: EmojiChain, target: Path) -> Path:
+    """What the U-Nets need from the prep, small enough to travel between two device calls (a warm
+    machine keeps /tmp only 30 s after a call): each seed's TransE store and the CLIP stage's text side
+    (vocabulary pruned to the chain's texts: identical outputs on them), the VAEs, in fp16, and the
+    prep's logs and results. The data is not packed: it is rebuilt from the packages (~20 s)."""
+    import tarfile
+    import tempfile
+
+    from kshapes_chain import cast_safetensors
+
+    from rapiddiff.models.text_encoder import KnowledgeTextEncoder
+    from rapiddiff.models.vocab import prune_vocabulary
+
+    texts = chain_texts(chain.data)
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = Path(tmp)
+        for seed in chain.all_seeds():
+            src, dst = chain.seed_dir(seed), stage / f"seed-{seed}"
+            shutil.copytree(src / "kg", dst / "kg")
+            encoder = KnowledgeTextEncoder.from_pretrained(src / "clip")
+            print(
+                f"[emoji-chain] pack seed {seed}: vocabulary {prune_vocabulary(encoder, texts)}", flush=True
+            )
+            encoder.save_pretrained(dst / "clip")
+            (dst / "clip" / "DONE").write_text("the CLIP stage's text side, packed\n", "utf-8")
+        for latent in chain.latents():
+            shutil.copytree(chain.vae_dir(latent), stage / f"vae{latent}")
+        shutil.copytree(chain.results, stage / "results")
+        shutil.copytree(chain.logs, stage / "logs")
+        cast_safetensors(stage, "float16")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(target, "w:gz") as tar:
+            tar.add(stage, arcname=".")
+    print(f"[emoji-chain] packed {target} ({target.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return target
+
+
+def unpack(source: Path, out: Path) -> None:
+    """Extract a :func:`pack` archive into ``out``, its weights back to fp32 for training."""
+    import tarfile
+
+    from kshapes_chain import cast_safetensors
+
+    if not source.is_file():
+        raise SystemExit(f"--unpack: {source} not found (write it with --part prep --pack FILE)")
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(source) as tar:
+        tar.extractall(out, filter="data")
+    weights = [p for p in sorted(out.glob("seed-*/clip")) + sorted(out.glob("vae*")) if p.is_dir()]
+    cast_safetensors(out, "float32", only=weights)
 
 
 # ---- scores and the summary --------------------------------------------------------------------
@@ -587,6 +652,8 @@ def main() -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a chain config key, YAML value"
     )
     p.add_argument("--smoke", action="store_true", help="every stage for a few steps (a CPU check)")
+    p.add_argument("--pack", type=Path, help="after --part prep: write what the U-Nets need to this .tgz")
+    p.add_argument("--unpack", type=Path, help="before --part unet: a --pack archive from an earlier call")
     p.add_argument("--vae", type=Path, help="(--part vae-judge) the VAE folder")
     p.add_argument("--target", type=Path, help="(--part vae-judge) the JSON to write")
     args = p.parse_args()
@@ -599,8 +666,12 @@ def main() -> int:
     packages = args.packages or [p for p in [os.environ.get("RAPIDDIFF_EMOJI_PACKAGES")] if p]
     chain = EmojiChain(args.out, cfg, packages, args.smoke)
     start = time.time()
+    if args.unpack:
+        unpack(args.unpack, args.out)
     if args.part in ("all", "prep"):
         chain.prep()
+        if args.pack:
+            pack(chain, args.pack)
     if args.part in ("all", "unet"):
         chain.unet_and_eval()
     if args.part == "eval":

@@ -1,31 +1,45 @@
 #!/usr/bin/env bash
-# The emoji-zh chain on one H200 across device calls of < 10 minutes: the first call starts it as a
-# session of its own (setsid: it outlives the call while the machine stays held), every call then
-# waits up to WAIT seconds and brings back the summary, the logs and (once assembled) the model.
-#   WHEELS=.wt/lean bash benchmarks/emoji_chain_device.sh $OUT PKGS     # carry .wt/lean and PKGS
-# PKGS: emoji-zh's npm tarballs (`npm pack` of the six packages, or slimmed copies holding only what
-# the builder reads: package.json, LICENSE, emoji.json, img/<style>/64, annotations*/zh*); the next
-# call within the machine's 30 s warm window finds the chain running (or done) and waits on it.
+# The emoji-zh chain on one H200 in device calls of < 10 minutes (benchmarks/emoji_chain.py).
+#   bash benchmarks/emoji_chain_device.sh prep $OUT PKGS            # call 1: data, TransE, CLIP ‖ VAEs → $OUT/prep.tgz
+#   bash benchmarks/emoji_chain_device.sh unet $OUT PKGS PREP.tgz   # call 2: U-Nets, guidance, evaluation, the model
+#   bash benchmarks/emoji_chain_device.sh wait $OUT PKGS            # call 3 (if needed): collect what call 2 left running
+# Carry WHEELS (default .wt/lean: benchmarks/device/make_wheels.sh's set without the serving stack,
+# sqlalchemy/optuna, pydantic and lmdb: 15 MB) and PKGS, emoji-zh's npm tarballs slimmed to what the
+# builder reads (package.json, LICENSE, emoji.json, img/<style>/64 of the catalogue's emoji,
+# annotations*/zh*: 11 MB; the full tarballs are 150 MB), and for call 2 the folder holding prep.tgz.
+# The working tree travels too, and the built-in model's 24 MB does not fit beside them: keep
+# rapiddiff/assets out of what travels for these calls (untracked and ignored for their duration).
+# Call 2 starts the chain as a session of its own (setsid): it outlives the call while the machine is
+# held, and a `wait` call within the machine's 30 s warm window collects it. A machine found cold has
+# lost it: then `unet` again (the data is rebuilt from PKGS, the prep comes from PREP.tgz).
+# Measured 2026-12-02 (H200, WORK=/tmp/ec): data 17–22 s, TransE 143–206 s (3 seeds side by side, 300
+# epochs, pykeen's per-batch overhead), CLIP 210 s ‖ VAEs 268 s: the prep is ~500 s.
 set -u
-out=$1; pkgs=$2; work=${WORK:-/tmp/ec}; wait_s=${WAIT:-560}
+part=$1; out=$2; pkgs=$3; work=${WORK:-/tmp/ec}; wait_s=${WAIT:-560}
+export WHEELS=${WHEELS:-.wt/lean}
 source benchmarks/device/install_wheels.sh || exit 1
-mkdir -p "$work"
-# not running and not done (the first call, or a chain stopped by a failure fixed since): (re)start
-# it; finished stages are skipped, so a restart resumes
-if ! grep -q "\[emoji-chain\] all done" "$work/chain.log" 2>/dev/null && ! kill -0 "$(cat "$work/pid" 2>/dev/null)" 2>/dev/null; then
-  [ -f "$work/chain.log" ] && mv "$work/chain.log" "$work/chain.$(date +%s).log"
-  setsid nohup python3 benchmarks/emoji_chain.py --out "$work" --packages "$pkgs" ${SET:+$(printf -- '--set=%s ' $SET)} \
-    > "$work/chain.log" 2>&1 < /dev/null &
+mkdir -p "$work" "$out"
+read -ra sets <<< "${SET:-}"
+collect() {
+  cp "$work/chain.log" "$work/summary.md" "$work/summary.json" "$out/" 2>/dev/null
+  tar czf "$out/results.tgz" --exclude='*.ckpt' --exclude='images' --exclude='*.safetensors' -C "$work" \
+    logs results $(cd "$work" && ls -d seed-*/eval_* seed-*/guidance seed-*/kg/config.json seed-*/run_*/csv 2>/dev/null) 2>/dev/null
+  if [ -d "$work/builtin" ] && [ ! -f "$work/builtin_sent" ]; then  # two parts under the 16 MiB a file may be
+    tar czf - -C "$work" builtin | split -b 15m - "$out/builtin.tgz." && touch "$work/builtin_sent"
+  fi
+  ls -la "$out"
+}
+if [ "$part" = prep ]; then
+  timeout 570 python3 benchmarks/emoji_chain.py --out "$work" --packages "$pkgs" --part prep --pack "$out/prep.tgz" \
+    "${sets[@]/#/--set=}" > "$out/chain_prep.log" 2>&1
+  tar czf "$out/prep_logs.tgz" -C "$work" logs results 2>/dev/null; ls -la "$out"; exit 0
+fi
+if [ "$part" = unet ]; then
+  pkill -f emoji_chain.py; rm -f "$work/chain.log"
+  setsid nohup python3 benchmarks/emoji_chain.py --out "$work" --packages "$pkgs" --part unet --unpack "$4" \
+    "${sets[@]/#/--set=}" > "$work/chain.log" 2>&1 < /dev/null &
   echo $! > "$work/pid"
 fi
-until grep -q "\[emoji-chain\] all done" "$work/chain.log" 2>/dev/null || ! kill -0 "$(cat "$work/pid")" 2>/dev/null \
+until grep -q "\[emoji-chain\] unet done" "$work/chain.log" 2>/dev/null || ! kill -0 "$(cat "$work/pid")" 2>/dev/null \
   || [ $SECONDS -ge "$wait_s" ]; do sleep 5; done
-nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv > "$out/gpu.txt" 2>&1
-cp "$work/chain.log" "$out/" 2>/dev/null
-cp "$work/summary.md" "$work/summary.json" "$out/" 2>/dev/null
-tar czf "$out/results.tgz" --exclude='*.ckpt' --exclude='images' --exclude='*.safetensors' -C "$work" \
-  logs results $(cd "$work" && ls -d seed-*/eval_* seed-*/guidance seed-*/kg/config.json seed-*/run_*/csv 2>/dev/null) 2>/dev/null
-if [ -d "$work/builtin" ] && [ ! -f "$work/builtin_sent" ]; then
-  tar czf - -C "$work" builtin | split -b 15m - "$out/builtin.tgz." && touch "$work/builtin_sent"
-fi
-ls -la "$out"
+collect
