@@ -30,8 +30,7 @@ from rapiddiff.data.control import ControlImageTextDataset, object_mask
 
 
 def generate(
-    bundle: Any,
-    controlnet: Any | None,
+    pipe: Any,
     prompts: list[str],
     control: torch.Tensor | None,
     seeds: list[int],
@@ -40,52 +39,24 @@ def generate(
     guidance: float,
     scheduler_name: str,
 ) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1] for ``prompts``, image k from a CPU generator seeded ``seeds[k]``;
-    with ``controlnet`` steered by ``control`` [N, 3, H, W] in [0, 1], else the base model alone.
+    """Images [N, 3, H, W] in [0, 1] for ``prompts`` through rapiddiff's one generation path (image
+    k with seed ``seeds[k]``, knowledge as the folder has it); steered by the pipeline's loaded
+    ControlNet with ``control`` [N, 3, H, W] in [0, 1], else the base model alone. One control image
+    per call (the pipeline takes one per net), so a controlled batch is drawn image by image."""
+    from PIL import Image
 
-    TEMPORARY BRIDGE (for the lead to switch): rapiddiff's RapidDiffusionPipeline has no control
-    argument yet (it comes with the cn-infer branch). Until then this builds diffusers'
-    StableDiffusionControlNetPipeline / StableDiffusionPipeline from the model folder's own parts and
-    hands them the KnowledgeTextEncoder's states as ``prompt_embeds`` (knowledge on, as the folder
-    has it). Once rapiddiff's pipeline takes a ControlNet, replace this body by one call to it; the
-    rest of the script does not change.
-    """
-    from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
+    from rapiddiff.models.controlnet import ControlSpec
 
-    from rapiddiff.models.sampling import make_scheduler
-
-    parts = {
-        "vae": bundle.vae,
-        "text_encoder": bundle.text_encoder.text_model,
-        "tokenizer": bundle.text_encoder.tokenizer,
-        "unet": bundle.unet,
-        "scheduler": make_scheduler(scheduler_name, bundle.scheduler.config),
-        "safety_checker": None,
-        "feature_extractor": None,
-        "requires_safety_checker": False,
-    }
-    device = bundle.unet.device
-    with torch.no_grad():
-        cond = bundle.text_encoder.encode(prompts).to(device, bundle.unet.dtype)  # (N, L, D)
-        uncond = bundle.text_encoder.encode([""] * len(prompts)).to(device, bundle.unet.dtype)
-    options: dict[str, Any] = {
-        "prompt_embeds": cond,
-        "negative_prompt_embeds": uncond,
-        "num_inference_steps": steps,
-        "guidance_scale": guidance,
-        "generator": [torch.Generator("cpu").manual_seed(int(s)) for s in seeds],
-        "height": control.shape[-2] if control is not None else None,
-        "width": control.shape[-1] if control is not None else None,
-        "output_type": "pt",
-    }
-    if controlnet is None:
-        pipe = StableDiffusionPipeline(**parts)
-    else:
-        pipe = StableDiffusionControlNetPipeline(controlnet=controlnet, **parts)
-        options["image"] = control.to(device, bundle.unet.dtype)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        return pipe(**options).images.float().cpu()
+    common = {"num_inference_steps": steps, "guidance_scale": guidance, "scheduler": scheduler_name,
+              "output_type": "pt", "progress": False, "upscale": False}  # fmt: skip
+    if control is None:
+        return pipe(prompts, seed=list(seeds), **common).images.float().cpu()
+    images = []
+    for prompt, image, seed in zip(prompts, control, seeds, strict=True):
+        pil = Image.fromarray((image.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy())
+        out = pipe([prompt], seed=[seed], control=ControlSpec(pil), **common)
+        images.append(out.images.float().cpu())
+    return torch.cat(images)
 
 
 def iou(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,8 +81,7 @@ def open_data(folder: Path, image_size: int) -> ControlImageTextDataset:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from diffusers import ControlNetModel
-
+    from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.models.builtin import resolve_model
     from rapiddiff.models.bundle import load_model_folder
     from rapiddiff.models.sampling import SamplingDefaults, vae_scale_factor
@@ -120,7 +90,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     base = resolve_model(args.model)  # a folder, builtin or builtin:NAME
     bundle = load_model_folder(base, device=device, dtype=dtype, load_upscaler=False)
-    controlnet = ControlNetModel.from_pretrained(args.controlnet).to(device, dtype).eval()
+    pipe = RapidDiffusionPipeline.from_bundle(bundle)
+    pipe.load_controlnet(args.controlnet)  # safetensors only, as everywhere
     defaults = bundle.sampling or SamplingDefaults()
     steps = args.steps or defaults.num_inference_steps
     guidance = defaults.guidance_scale if args.guidance is None else args.guidance
@@ -135,8 +106,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [item["text"] for item in items]
         seeds = [args.seed + start + k for k in range(len(items))]
         common = {"steps": steps, "guidance": guidance, "scheduler_name": defaults.scheduler}
-        with_control = generate(bundle, controlnet, prompts, control, seeds, **common)
-        without = generate(bundle, None, prompts, control, seeds, **common)
+        with_control = generate(pipe, prompts, control, seeds, **common)
+        without = generate(pipe, prompts, None, seeds, **common)  # a call without control skips the net
         masks = control[:, 0].numpy() >= 0.5
         for k, (w, wo) in enumerate(zip(to_uint8(with_control), to_uint8(without), strict=True)):
             rows.append(
