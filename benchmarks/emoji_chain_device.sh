@@ -3,6 +3,8 @@
 #   bash benchmarks/emoji_chain_device.sh prep $OUT PKGS            # call 1: data, TransE, CLIP ‖ VAEs → $OUT/prep.tgz
 #   bash benchmarks/emoji_chain_device.sh unet $OUT PKGS PREP.tgz   # call 2: U-Nets, guidance, evaluation, the model
 #   bash benchmarks/emoji_chain_device.sh wait $OUT PKGS            # call 3 (if needed): collect what call 2 left running
+# Here, once: bash benchmarks/device/make_wheels.sh && bash benchmarks/emoji_chain_device.sh wheels .whl .wt/lean
+#             bash benchmarks/device/slim_emoji_packages.sh TGZ_DIR .wt/emoji_pkgs   # TGZ_DIR: `npm pack` of the six
 # Carry WHEELS (default .wt/lean: benchmarks/device/make_wheels.sh's set without the serving stack,
 # sqlalchemy/optuna, pydantic and lmdb: 15 MB) and PKGS, emoji-zh's npm tarballs slimmed to what the
 # builder reads (package.json, LICENSE, emoji.json, img/<style>/64 of the catalogue's emoji,
@@ -15,6 +17,18 @@
 # Measured 2026-12-02 (H200, WORK=/tmp/ec): data 17–22 s, TransE 143–206 s (3 seeds side by side, 300
 # epochs, pykeen's per-batch overhead), CLIP 210 s ‖ VAEs 268 s: the prep is ~500 s.
 set -u
+if [ "$1" = wheels ]; then  # kshapes' slim set without what the chain never imports (serving stays out too)
+  bash benchmarks/kshapes_chain_device.sh wheels "$2" "$3.slim" > /dev/null || exit 1
+  rm -rf "$3"; mkdir -p "$3"
+  for w in "$3.slim"/*; do
+    case $(basename "$w") in
+      sqlalchemy-*|alembic-*|mako-*|optuna-*|colorlog-*|pydantic*|annotated_types-*|typing_inspection-*|lmdb-*) ;;
+      torch_fidelity-*|opentelemetry*|dataclasses_json-*|marshmallow-*|typing_extensions-*|click-*|prelude.sh) ;;
+      *) cp "$w" "$3/" ;;
+    esac
+  done
+  rm -rf "$3.slim"; du -sh "$3"; exit 0
+fi
 part=$1; out=$2; pkgs=$3; work=${WORK:-/tmp/ec}; wait_s=${WAIT:-560}
 export WHEELS=${WHEELS:-.wt/lean}
 source benchmarks/device/install_wheels.sh || exit 1
