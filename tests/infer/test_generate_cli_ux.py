@@ -51,7 +51,7 @@ def test_help_names_the_models_own_knowledge_mode(monkeypatch):
     ]
     text = re.sub(r"\s+", " ", generate.format_help())
     assert "the default)" not in text.split("--knowledge")[1].split("--no-grid")[0]
-    assert "Default: the model's own mode" in text and "the built-in model's: both" in text
+    assert "Default: the model's own mode" in text and "the default built-in model's: both" in text
 
 
 def test_a_knowledge_mode_on_a_model_without_a_kg_is_warned_about(tiny_model, tmp_path, logs):
