@@ -1,0 +1,74 @@
+"""benchmarks/emoji_chain.py's own logic: the config's checks, the guidance choice on validation only,
+and the summary's mean ± sd over seeds (no model runs here: the stages are the tested CLIs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import emoji_chain as ec  # noqa: E402
+
+from rapiddiff.utils.config import ConfigError  # noqa: E402
+
+
+def _write_eval(run: Path, seen_top1: float, val_sub: float, val_top5: float, frechet: float) -> None:
+    table = [
+        {"split": "seen", "knowledge": "embed", "top1": seen_top1, "top5": 99.0, "subcategory": 99.0,
+         "background": 98.0, "position": 97.0},
+        {"split": "alias", "kind": "keyword", "knowledge": "off", "top1": 3.0, "top5": 9.0, "subcategory": 20.0,
+         "background": 98.0, "position": None},
+        {"split": "val", "knowledge": "embed", "top1": 5.0, "top5": val_top5, "subcategory": val_sub,
+         "background": 98.0, "position": None},
+    ]  # fmt: skip
+    details = {
+        "frechet": [
+            {"split": "seen", "knowledge": "embed", "generated_vs_real": frechet, "style_vs_style": 40.0}
+        ]
+    }
+    (run / "metrics").mkdir(parents=True)
+    (run / "metrics" / "emoji.json").write_text(json.dumps({"table": table, "details": details}), "utf-8")
+
+
+def test_config_checks_name_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "chain.yaml"
+    config.write_text("main_arm: big\narms: {s16: {latent: 16}}\n", "utf-8")
+    with pytest.raises(ConfigError, match="main_arm 'big' is not one of the arms: s16"):
+        ec.load_chain_config(config)
+    config.write_text("main_arm: s\narms: {s: {latent: 24}}\n", "utf-8")
+    with pytest.raises(ConfigError, match=r"arms\.s\.latent: 16 or 32, got 24"):
+        ec.load_chain_config(config)
+    shipped = ec.load_chain_config(REPO / "configs/emoji/chain.yaml")
+    assert shipped.arms[shipped.main_arm].seeds == shipped.seeds  # the main arm runs every seed
+
+
+def test_summary_is_mean_and_sd_over_seeds_and_the_seed_is_chosen_on_validation(tmp_path: Path) -> None:
+    config = tmp_path / "chain.yaml"
+    config.write_text(
+        "seeds: [0, 1, 2]\nmain_arm: a\narms: {a: {latent: 16}}\nguidance_candidates: [3.0]\n", "utf-8"
+    )
+    chain = ec.EmojiChain(tmp_path / "run", ec.load_chain_config(config), [], smoke=True)
+    # seed 1 is the best on the test side (seen), seed 2 on validation: validation decides
+    for seed, (seen, val_sub, val_top5) in enumerate(
+        [(80.0, 50.0, 60.0), (90.0, 40.0, 50.0), (85.0, 70.0, 60.0)]
+    ):
+        _write_eval(chain.seed_dir(seed) / "eval_a", seen, val_sub, val_top5, frechet=10.0 + seed)
+    summary = ec.summarise(chain)
+    seen = summary["arms"]["a"]["measures"]["seen/embed/top1"]
+    assert seen["mean"] == 85.0 and seen["sd"] == 5.0 and seen["values"] == [80.0, 90.0, 85.0]
+    assert summary["arms"]["a"]["measures"]["alias/keyword/off/top1"]["mean"] == 3.0
+    assert summary["arms"]["a"]["measures"]["seen/embed/frechet"]["mean"] == 11.0
+    assert summary["best_seed"] == 2
+    text = (tmp_path / "run" / "summary.md").read_text("utf-8")
+    assert "| seen, top-1 | 85.0 ± 5.0 |" in text and "best seed (main arm, on validation): 2" in text
+
+
+def test_guidance_score_reads_validation_only(tmp_path: Path) -> None:
+    _write_eval(tmp_path / "g", seen_top1=99.0, val_sub=30.0, val_top5=20.0, frechet=1.0)
+    assert ec.val_score(tmp_path / "g") == 50.0
+    assert ec.val_score(tmp_path / "missing") == float("-inf")
