@@ -79,7 +79,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- the model -----------------------------------------------------------------------------------
 def load(args: argparse.Namespace) -> tuple[Any, Path | None, Any]:
     """(pipeline, model folder or None, device); behind the fast path on a GPU."""
-    import torch
 
     from rapiddiff.infer.pipeline import RapidDiffusionPipeline
     from rapiddiff.utils.device import resolve_device, resolve_dtype
@@ -102,7 +101,6 @@ def load(args: argparse.Namespace) -> tuple[Any, Path | None, Any]:
         from rapiddiff.infer.accelerate import accelerate
 
         pipe = accelerate(pipe)
-    torch.set_grad_enabled(False)
     return pipe, folder, device
 
 
@@ -269,6 +267,14 @@ def write(out: Path, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    # inference only; scoped, not process-wide: main() also runs inside the test process
+    with torch.no_grad():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse(argv)
     out = Path(args.out)
