@@ -45,7 +45,9 @@ def assemble_emoji_model(model: Path, data: Path, out: Path, *, steps: int, guid
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="a trained model folder (the U-Net stage's output)")
+    p.add_argument(
+        "--model", type=Path, required=True, help="a trained model folder (the U-Net stage's output)"
+    )
     p.add_argument("--data", type=Path, required=True, help="the emoji-zh data folder it trained on")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=25)

@@ -7,7 +7,9 @@ from rapiddiff.models.sampling import make_scheduler
 
 
 def test_ddim_from_a_pndm_file_does_not_clip_latents() -> None:
-    config = scheduler_config()  # SD 1.x's PNDM settings, as every folder our stages write: no clip_sample key
+    config = (
+        scheduler_config()
+    )  # SD 1.x's PNDM settings, as every folder our stages write: no clip_sample key
     assert "clip_sample" not in config
     assert make_scheduler("ddim", config).config.clip_sample is False
 
