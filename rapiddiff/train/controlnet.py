@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +36,7 @@ from rapiddiff.train.unet import LatentDiffusion
 from rapiddiff.train.unet_config import DiffusionLoss, EMAConfig, SamplingConfig
 from rapiddiff.train.unet_parts import frozen_dtype
 from rapiddiff.train.unet_samples import EMAWeights, draw
+from rapiddiff.utils.io import atomic_folder
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -224,21 +222,13 @@ class ControlNetTraining(LatentDiffusion):
         keep = (torch.rand(control.shape[0]) >= self.control_dropout).to(control.device, control.dtype)
         return control * keep.view(-1, 1, 1, 1)
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        """The loss with noise and timesteps fixed per batch (no dropout), so curves are comparable."""
-        generator = torch.Generator().manual_seed(10_000 + batch_idx)
-        latents = self.encode_images(batch, sample=False)
-        context = self.encode_text(list(batch["text"]))
-        noise = torch.randn(latents.shape, generator=generator).to(latents)
-        timesteps = torch.randint(
-            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator
-        ).to(latents.device)
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        model = controlled_model(self.unet, self.controlnet, batch["control"].to(self.device))
-        prediction = model(noisy, timesteps, context)
-        loss = F.mse_loss(prediction.float(), self.target(latents, noise, timesteps).float())
-        self.log("val/loss", loss, sync_dist=True)
-        return loss
+    def validation_prediction(
+        self, noisy: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, batch: dict[str, Any]
+    ) -> torch.Tensor:
+        """The validation loss (LatentDiffusion.validation_step's) through the ControlNet, no dropout."""
+        return controlled_model(self.unet, self.controlnet, batch["control"].to(self.device))(
+            noisy, timesteps, context
+        )
 
     def fsdp_units(self) -> list[torch.nn.Module]:
         return [*self.controlnet.down_blocks, self.controlnet.mid_block, self.controlnet]
@@ -282,17 +272,9 @@ class ControlNetTraining(LatentDiffusion):
             "rapiddiff_version": __version__,
         }
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
+        with atomic_folder(path) as tmp:
             controlnet.save_pretrained(tmp, safe_serialization=True)
             (tmp / CONTROLNET_INFO).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n", "utf-8")
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return path
 
 

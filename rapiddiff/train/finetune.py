@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +26,7 @@ from rapiddiff.train.data import ImageTextData
 from rapiddiff.train.lightning_cli import RapidCLI, run_cli
 from rapiddiff.train.optim import OptimConfig
 from rapiddiff.train.unet import EMAConfig, LatentDiffusion, TrainableName
-from rapiddiff.utils.io import atomic_write_text, save_safetensors
+from rapiddiff.utils.io import atomic_folder, atomic_write_text, save_safetensors
 from rapiddiff.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -172,9 +169,7 @@ class FineTune(LatentDiffusion):
                 layers["text_encoder_lora_layers"] = convert_state_dict_to_diffusers(text_state)
                 text_state = None
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
+        with atomic_folder(path) as tmp:
             if layers:
                 StableDiffusionPipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
             if text_state is not None:
@@ -188,12 +183,6 @@ class FineTune(LatentDiffusion):
                 "scale": (self.lora_cfg.alpha or self.lora_cfg.rank) / self.lora_cfg.rank,
             }
             atomic_write_text(tmp / INFO_FILE, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return path
 
 

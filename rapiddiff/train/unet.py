@@ -379,10 +379,17 @@ class LatentDiffusion(RapidModule):
             0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator
         ).to(latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
+        prediction = self.validation_prediction(noisy, timesteps, context, batch)
         loss = F.mse_loss(prediction.float(), self.target(latents, noise, timesteps).float())
         self.log("val/loss", loss, sync_dist=True)
         return loss
+
+    def validation_prediction(
+        self, noisy: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, batch: dict[str, Any]
+    ) -> torch.Tensor:
+        """The model's prediction in :meth:`validation_step` (a subclass adds its own inputs, e.g. the
+        ControlNet stage's control images from ``batch``)."""
+        return self.unet(noisy, timesteps, encoder_hidden_states=context).sample
 
     def encode_images(self, batch: dict[str, Any], sample: bool = True) -> torch.Tensor:
         """Pixels [-1, 1] → VAE latents × scaling_factor (from the cache when it is filled)."""

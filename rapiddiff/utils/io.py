@@ -52,6 +52,23 @@ def atomic_open(path: str | Path, mode: str = "wb", encoding: str | None = None)
 
 
 @contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """A temporary sibling folder of ``path`` to write into; on success it replaces ``path`` (a whole
+    folder: a LoRA or ControlNet export), on failure it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
 def removed_if_failed(folder: str | Path | None) -> Iterator[None]:
     """Remove ``folder`` if the block raises and the folder did not exist before it: a command
     that fails leaves no empty or half-written output folder behind."""
