@@ -8,15 +8,16 @@ the npm packages to a built-in model, with its ablation arms and 3 seeds.
 Stages, each the `rapiddiff` command a user runs with the stage's shipped config
 (``configs/<stage>/emoji.yaml``) and this chain's paths and budgets (``configs/emoji/chain.yaml``):
 data (once: the splits are chosen once and never tuned) → TransE (a seed each) → knowledge CLIP (a
-seed each) ‖ the VAEs (one per latent resolution an arm asks for, seed 0: shared by every seed) →
-the U-Nets (one per arm and seed, side by side on one GPU) → a guidance sweep on the *validation*
+seed each), with the VAE variants (seed 0, shared by every seed) training beside both from the start →
+the judge reads each VAE's reconstructions of validation renders (the arm's VAE ``best`` is chosen on
+them, never on the test side) → the U-Nets (one per arm and seed, side by side on one GPU) → a guidance sweep on the *validation*
 entities → `rapiddiff eval emoji` with the frozen judge (knowledge embed, both, text and off on the
 same model) → the summary (mean ± sd over seeds for each arm) and the built-in model (the main arm's
 seed chosen on validation, fp16, pruned vocabulary, the data's licences).
 
 Every stage whose output exists is skipped, so a chain cut by a time limit resumes where it stopped.
-The VAEs are also read back by the judge (its top-1 on VAE reconstructions of real test renders: the
-ceiling any U-Net on that VAE can reach), in ``results/vae_judge_<name>.json``.
+The judge's top-1 on a VAE's reconstructions of real renders is the ceiling any U-Net on that VAE can
+reach: ``results/vae_judge_<name>.json`` has it on validation (the choice) and on test (the report).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ class StageBudget:
 
 
 @dataclass
+class VaeVariant:
+    """One VAE the chain trains: its latent side and the architecture keys over that side's base."""
+
+    latent: int = 32
+    """16 (the kshapes preset: 8×, as SD) or 32 (three blocks: 4×)."""
+    changes: dict[str, Any] = field(default_factory=dict)
+    """AutoencoderKL keys over the base (e.g. ``latent_channels: 8``)."""
+
+    def architecture(self) -> dict[str, Any]:
+        return {**(VAE_4X if self.latent == 32 else {}), **self.changes}
+
+
+@dataclass
 class Arm:
     """One U-Net recipe of the ablation: its architecture and latent size, and the seeds it runs."""
 
@@ -63,6 +77,9 @@ class Arm:
     changes: dict[str, Any] = field(default_factory=dict)
     latent: int = 16
     """16 (the 8× VAE) or 32 (the 4× VAE)."""
+    vae: str = "best"
+    """a name of ``vaes``, or ``best``: of the variants of the arm's latent side, the one the judge
+    reads best on validation renders (measured in the prep)."""
     seeds: list[int] = field(default_factory=lambda: [0])
     eval_modes: str = "embed,both,text,off"
     max_steps: int | None = None
@@ -76,6 +93,8 @@ class EmojiChainConfig:
     """the main arm's seeds (each its own TransE, CLIP, U-Net and sampling seed)."""
     main_arm: str = "s16"
     arms: dict[str, Arm] = field(default_factory=dict)
+    vaes: dict[str, VaeVariant] = field(default_factory=dict)
+    """the VAE variants (default: one per latent side the arms ask for, each side's base)."""
     workers: int = 3
     clip: StageBudget = field(default_factory=lambda: StageBudget(minutes=3.0))
     vae: StageBudget = field(default_factory=lambda: StageBudget(minutes=4.0))
@@ -99,9 +118,24 @@ def load_chain_config(path: str | Path, overrides: dict[str, Any] | None = None)
     if cfg.main_arm not in cfg.arms:
         raise ConfigError(f"main_arm {cfg.main_arm!r} is not one of the arms: {', '.join(cfg.arms)}")
     cfg.arms[cfg.main_arm].seeds = list(cfg.seeds)
+    cfg.vaes = {
+        name: load_config(VaeVariant, vae) if isinstance(vae, dict) else vae for name, vae in cfg.vaes.items()
+    }
     for name, arm in cfg.arms.items():
         if arm.latent not in (16, 32):
             raise ConfigError(f"arms.{name}.latent: 16 or 32, got {arm.latent}")
+    if not cfg.vaes:
+        cfg.vaes = {
+            f"{side}": VaeVariant(latent=side) for side in sorted({a.latent for a in cfg.arms.values()})
+        }
+    for name, arm in cfg.arms.items():
+        if arm.vae != "best" and arm.vae not in cfg.vaes:
+            raise ConfigError(f"arms.{name}.vae: 'best' or one of {', '.join(cfg.vaes)}, got {arm.vae!r}")
+        if not any(v.latent == arm.latent for v in cfg.vaes.values()):
+            raise ConfigError(f"arms.{name}.latent: {arm.latent}, but no VAE of vaes has that latent side")
+    for name, vae in cfg.vaes.items():
+        if vae.latent not in (16, 32):
+            raise ConfigError(f"vaes.{name}.latent: 16 or 32, got {vae.latent}")
     return cfg
 
 
@@ -134,8 +168,8 @@ class EmojiChain:
     def rapiddiff(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "rapiddiff", *args]
 
-    def run_parallel(self, jobs: dict[str, list[str]]) -> list[str]:
-        """Start every job, wait for all; returns the names that failed (their logs' tails printed)."""
+    def start(self, jobs: dict[str, list[str]]) -> dict[str, tuple[subprocess.Popen, Any, float]]:
+        """Start every job (each logging to ``logs/<name>.log``); :meth:`wait` collects them."""
         procs = {}
         for name, cmd in jobs.items():
             log = open(self.logs / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
@@ -147,6 +181,10 @@ class EmojiChain:
                 log,
                 time.time(),
             )
+        return procs
+
+    def wait(self, procs: dict[str, tuple[subprocess.Popen, Any, float]]) -> list[str]:
+        """Wait for every started job; returns the names that failed (their logs' tails printed)."""
         failed = []
         while procs:
             for name, (proc, log, begun) in list(procs.items()):
@@ -165,6 +203,10 @@ class EmojiChain:
             time.sleep(1)
         self.write_timings()
         return failed
+
+    def run_parallel(self, jobs: dict[str, list[str]]) -> list[str]:
+        """Start every job, wait for all; returns the names that failed."""
+        return self.wait(self.start(jobs))
 
     def must(self, jobs: dict[str, list[str]]) -> None:
         failed = self.run_parallel(jobs) if jobs else []
@@ -198,14 +240,23 @@ class EmojiChain:
     def all_seeds(self) -> list[int]:
         return sorted({s for arm in self.cfg.arms.values() for s in arm.seeds})
 
-    def latents(self) -> list[int]:
-        return sorted({arm.latent for arm in self.cfg.arms.values()})
+    def arm_vae(self, arm: Arm) -> str:
+        """The arm's VAE variant: named, or ``best``: the judge's top-1 on validation reconstructions."""
+        if arm.vae != "best":
+            return arm.vae
+        names = [n for n, v in self.cfg.vaes.items() if v.latent == arm.latent]
+        scores = {n: self.vae_val_score(n) for n in names}
+        return max(names, key=lambda n: scores[n])  # ties: the first listed
+
+    def vae_val_score(self, name: str) -> float:
+        path = self.results / f"vae_judge_{name}.json"
+        return json.loads(path.read_text("utf-8"))["val"]["top1"] if path.exists() else float("-inf")
 
     def seed_dir(self, seed: int) -> Path:
         return self.out / f"seed-{seed}"
 
-    def vae_dir(self, latent: int) -> Path:
-        return self.out / f"vae{latent}"
+    def vae_dir(self, name: str) -> Path:
+        return self.out / f"vae_{name}"
 
     def ensure_data(self) -> None:
         if (self.data / "build.json").exists():
@@ -220,7 +271,17 @@ class EmojiChain:
         self.must({"data": cmd})
 
     def prep(self) -> None:
+        """TransE then CLIP for each seed, the VAEs beside both from the start (they need neither),
+        then the judge on each VAE's reconstructions."""
         self.ensure_data()
+        vaes = {}
+        for name, vae in self.cfg.vaes.items():
+            if not _done(self.vae_dir(name)):
+                arch = (
+                    [f"--model.architecture={json.dumps(vae.architecture())}"] if vae.architecture() else []
+                )
+                vaes[f"vae_{name}"] = self.training("vae", self.cfg.vae, self.vae_dir(name), 0, *arch)
+        vae_procs = self.start(vaes)
         jobs = {}
         for seed in self.all_seeds():
             store = self.seed_dir(seed) / "kg"
@@ -237,12 +298,13 @@ class EmojiChain:
             if not _done(clip):
                 store = f"--model.knowledge_store={self.seed_dir(seed) / 'kg'}"
                 jobs[f"clip_s{seed}"] = self.training("clip", self.cfg.clip, clip, seed, store)
-        for latent in self.latents():
-            vae = self.vae_dir(latent)
-            if not _done(vae):
-                arch = [f"--model.architecture={json.dumps(VAE_4X)}"] if latent == 32 else []
-                jobs[f"vae{latent}"] = self.training("vae", self.cfg.vae, vae, 0, *arch)
         self.must(jobs)
+        failed = self.wait(vae_procs)
+        if failed:
+            raise SystemExit(f"[emoji-chain] failed: {', '.join(failed)}")
+        self.must(self.vae_judge_jobs())
+        for name, arm in self.cfg.arms.items():
+            print(f"[emoji-chain] arm {name}: VAE {self.arm_vae(arm)}", flush=True)
 
     def unet_jobs(self) -> dict[str, list[str]]:
         jobs = {}
@@ -257,19 +319,21 @@ class EmojiChain:
                 budget = StageBudget(self.cfg.unet.minutes, arm.max_steps or self.cfg.unet.max_steps)
                 jobs[f"unet_{name}_s{seed}"] = self.training(
                     "unet", budget, folder, seed, f"--model.unet={unet}",
-                    f"--model.vae={self.vae_dir(arm.latent)}", f"--model.text_encoder={self.seed_dir(seed) / 'clip'}",
+                    f"--model.vae={self.vae_dir(self.arm_vae(arm))}", f"--model.text_encoder={self.seed_dir(seed) / 'clip'}",
                     f"--data.batch_size={4 if self.smoke else self.cfg.unet_batch_size}", *speed,
                     *(["--model.sampling.num_inference_steps=2", "--model.sampling.seeds=[0]"] if self.smoke else []),
                 )  # fmt: skip
         return jobs
 
     def architecture(self, name: str, arm: Arm) -> str:
-        """The arm's U-Net: a preset name, or OUT/unet_<arm>.json (the preset with the arm's changes)."""
-        if not arm.changes and arm.latent == 16:
-            return arm.unet
+        """The arm's U-Net: OUT/unet_<arm>.json, the preset with the arm's latent side, its VAE's
+        latent channels and the arm's changes."""
         from rapiddiff.models.presets import check_unet_config, unet_config
 
-        config = {**unet_config(arm.unet), "sample_size": arm.latent, **arm.changes}
+        vae = json.loads((self.vae_dir(self.arm_vae(arm)) / "config.json").read_text("utf-8"))
+        channels = int(vae.get("latent_channels", 4))
+        config = {**unet_config(arm.unet), "sample_size": arm.latent, "in_channels": channels,
+                  "out_channels": channels, **arm.changes}  # fmt: skip
         check_unet_config(config, f"arms.{name}.changes")
         path = self.out / f"unet_{name}.json"
         path.write_text(json.dumps(config, indent=1), "utf-8")
@@ -277,12 +341,12 @@ class EmojiChain:
 
     def vae_judge_jobs(self) -> dict[str, list[str]]:
         jobs = {}
-        for latent in self.latents():
-            target = self.results / f"vae_judge_vae{latent}.json"
+        for name in self.cfg.vaes:
+            target = self.results / f"vae_judge_{name}.json"
             if not target.exists():
-                jobs[f"vae_judge{latent}"] = [
+                jobs[f"vae_judge_{name}"] = [
                     sys.executable, __file__, "--part", "vae-judge", "--out", str(self.out),
-                    "--vae", str(self.vae_dir(latent)), "--target", str(target), *(["--smoke"] if self.smoke else []),
+                    "--vae", str(self.vae_dir(name)), "--target", str(target), *(["--smoke"] if self.smoke else []),
                 ]  # fmt: skip
         return jobs
 
@@ -348,7 +412,8 @@ class EmojiChain:
 
     def unet_and_eval(self) -> None:
         self.ensure_data()  # a fresh machine after --unpack: the data is rebuilt, not carried
-        jobs = {**self.unet_jobs(), **self.vae_judge_jobs()}
+        self.must(self.vae_judge_jobs())  # an archive from before the judge ran in the prep
+        jobs = self.unet_jobs()
         failed = self.run_parallel(jobs) if jobs else []
         if any(f.startswith("unet_") for f in failed):
             raise SystemExit(f"[emoji-chain] failed: {', '.join(failed)}")
@@ -408,8 +473,8 @@ def pack(chain: EmojiChain, target: Path) -> Path:
             )
             encoder.save_pretrained(dst / "clip")
             (dst / "clip" / "DONE").write_text("the CLIP stage's text side, packed\n", "utf-8")
-        for latent in chain.latents():
-            shutil.copytree(chain.vae_dir(latent), stage / f"vae{latent}")
+        for name in chain.cfg.vaes:
+            shutil.copytree(chain.vae_dir(name), stage / chain.vae_dir(name).name)
         shutil.copytree(chain.results, stage / "results")
         shutil.copytree(chain.logs, stage / "logs")
         cast_safetensors(stage, "float16")
@@ -499,7 +564,8 @@ def summarise(chain: EmojiChain) -> dict[str, Any]:
             metrics = chain.seed_dir(s) / f"run_unet_{name}"
             steps[str(s)] = _last_step(metrics)
         summary["arms"][name] = {"seeds": sorted(per_seed), "measures": table, "guidance": guidance, "unet_steps": steps,
-                                 "unet": arm.unet, "changes": arm.changes, "latent": arm.latent}  # fmt: skip
+                                 "unet": arm.unet, "changes": arm.changes, "latent": arm.latent,
+                                 "vae": chain.arm_vae(arm)}  # fmt: skip
     main = {s: seed_measures(chain.seed_dir(s) / f"eval_{cfg.main_arm}") for s in cfg.seeds}
     scored = {
         s: m.get("val/embed/subcategory", -1) + m.get("val/embed/top5", -1) for s, m in main.items() if m
@@ -554,7 +620,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     lines = ["# emoji-zh chain", ""]
     for name, arm in summary["arms"].items():
         t = arm["measures"]
-        lines += [f"## arm {name} (U-Net {arm['unet']} {arm['changes'] or ''}, {arm['latent']}² latents; "
+        lines += [f"## arm {name} (U-Net {arm['unet']} {arm['changes'] or ''}, {arm['latent']}² latents, "
+                  f"VAE {arm.get('vae')}; "
                   f"seeds {arm['seeds']}; steps {arm['unet_steps']}; guidance {arm['guidance']})", "",
                   "| measure | embed | both | text | off |", "|---|---:|---:|---:|---:|"]  # fmt: skip
         for label, key in ROWS:
@@ -569,9 +636,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines.append("")
     if summary.get("vae_judge"):
         lines += ["## the VAEs read back by the judge", ""]
-        for name, v in summary["vae_judge"].items():
+        for name, record in summary["vae_judge"].items():
+            v, val = record["test"], record["val"]
             lines.append(f"- {name}: top-1 {v['top1']:.1f} %, top-5 {v['top5']:.1f} % of {v['images']} test renders "
-                         f"(the renders themselves: {v['real_top1']:.1f} %); PSNR {v['psnr']:.2f} dB")  # fmt: skip
+                         f"(the renders themselves: {v['real_top1']:.1f} %); PSNR {v['psnr']:.2f} dB; "
+                         f"validation top-1 {val['top1']:.1f} %")  # fmt: skip
     lines += ["", f"best seed (main arm, on validation): {summary.get('best_seed')}", ""]
     return "\n".join(lines) + "\n"
 
@@ -580,25 +649,42 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 
 def vae_judge(out: Path, vae: Path, target: Path, smoke: bool) -> int:
-    """Encode and decode test renders with the VAE; the judge reads both: the ceiling of a U-Net on it."""
-    import numpy as np
+    """Encode and decode real renders with the VAE; the judge reads both: the ceiling of a U-Net on it.
+    On the validation renders (what ``vae: best`` chooses by) and on the test renders (the report)."""
     import torch
     from diffusers import AutoencoderKL
-    from PIL import Image
 
     from rapiddiff.eval.judge import load_judge
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     judge = load_judge(ROOT / "benchmarks/emoji_judge", device=device)
     model = AutoencoderKL.from_pretrained(str(vae)).to(device).eval()
-    rows = [json.loads(line) for line in (out / "data/test/metadata.jsonl").open(encoding="utf-8")]
-    rows = rows[: 16 if smoke else 800]
+    record: dict[str, Any] = {"vae": str(vae)}
+    for split in ("val", "test"):
+        strip = target.with_suffix(".png") if split == "test" else None
+        record[split] = _judge_reconstructions(
+            out / "data" / split, model, judge, 16 if smoke else 800, strip
+        )
+    target.write_text(json.dumps(record, indent=1), "utf-8")
+    print(record)
+    return 0
+
+
+def _judge_reconstructions(
+    split: Path, model: Any, judge: Any, limit: int, strip: Path | None
+) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    device = next(model.parameters()).device
+    rows = [json.loads(line) for line in (split / "metadata.jsonl").open(encoding="utf-8")][:limit]
     hits = real_hits = top5 = 0
     psnr = []
     for start in range(0, len(rows), 64):
         batch = rows[start : start + 64]
         pixels = torch.stack([
-            torch.from_numpy(np.array(Image.open(out / "data/test" / r["file_name"]).convert("RGB"))).permute(2, 0, 1)
+            torch.from_numpy(np.array(Image.open(split / r["file_name"]).convert("RGB"))).permute(2, 0, 1)
             for r in batch
         ]).float().div(255).to(device)  # fmt: skip
         with torch.no_grad():
@@ -612,17 +698,12 @@ def vae_judge(out: Path, vae: Path, target: Path, smoke: bool) -> int:
             hits += g[0] == r["entity"]
             top5 += r["entity"] in g
             real_hits += g_real[0] == r["entity"]
-        if start == 0:  # a strip of 8 pairs: render above, reconstruction below
-            strip = torch.cat([pixels[:8], recon[:8]], dim=2).permute(0, 2, 3, 1).cpu().numpy()
-            Image.fromarray((np.concatenate(list(strip), axis=1) * 255).astype("uint8")).save(
-                target.with_suffix(".png")
-            )
+        if start == 0 and strip is not None:  # a strip of 8 pairs: render above, reconstruction below
+            pairs = torch.cat([pixels[:8], recon[:8]], dim=2).permute(0, 2, 3, 1).cpu().numpy()
+            Image.fromarray((np.concatenate(list(pairs), axis=1) * 255).astype("uint8")).save(strip)
     n = len(rows)
-    record = {"images": n, "top1": 100 * hits / n, "top5": 100 * top5 / n, "real_top1": 100 * real_hits / n,
-              "psnr": float(np.mean(psnr)), "vae": str(vae)}  # fmt: skip
-    target.write_text(json.dumps(record, indent=1), "utf-8")
-    print(record)
-    return 0
+    return {"images": n, "top1": 100 * hits / n, "top5": 100 * top5 / n, "real_top1": 100 * real_hits / n,
+            "psnr": float(np.mean(psnr))}  # fmt: skip
 
 
 def _parse_sets(pairs: list[str]) -> dict[str, Any]:

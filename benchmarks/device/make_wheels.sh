@@ -11,7 +11,8 @@ plat="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 binary=(diffusers importlib_metadata pykeen class_resolver docdata more_click more_itertools pystow
         torch_max_mem torch-ppr dataclasses-json click_default_group optuna alembic colorlog
         sqlalchemy Mako "marshmallow<4" spandrel datasets dill multiprocess jsonargparse docstring-parser typeshed-client
-        cn-clip lmdb torch-fidelity opencc-python-reimplemented marisa-trie)
+        cn-clip lmdb torch-fidelity opencc-python-reimplemented marisa-trie
+        resvg-py)  # resvg-py: emoji-zh's hr/ copies (SVG → 512² PNG)
 $PIP download -q --no-deps --only-binary=:all: $plat -d .whl "${binary[@]}"
 # rapiddiff serve (and benchmarks/serve_load.py): with their dependencies, as this venv pins them
 $PIP download -q --only-binary=:all: $plat -d .whl fastapi==0.165.0 uvicorn==0.54.0 httpx

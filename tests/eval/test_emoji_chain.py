@@ -43,8 +43,42 @@ def test_config_checks_name_the_key(tmp_path: Path) -> None:
     config.write_text("main_arm: s\narms: {s: {latent: 24}}\n", "utf-8")
     with pytest.raises(ConfigError, match=r"arms\.s\.latent: 16 or 32, got 24"):
         ec.load_chain_config(config)
+    config.write_text("main_arm: s\narms: {s: {latent: 32, vae: c9}}\nvaes: {c4: {latent: 32}}\n", "utf-8")
+    with pytest.raises(ConfigError, match=r"arms\.s\.vae: 'best' or one of c4, got 'c9'"):
+        ec.load_chain_config(config)
+    config.write_text("main_arm: s\narms: {s: {latent: 16}}\nvaes: {c4: {latent: 32}}\n", "utf-8")
+    with pytest.raises(ConfigError, match=r"arms\.s\.latent: 16, but no VAE of vaes has that latent side"):
+        ec.load_chain_config(config)
     shipped = ec.load_chain_config(REPO / "configs/emoji/chain.yaml")
     assert shipped.arms[shipped.main_arm].seeds == shipped.seeds  # the main arm runs every seed
+    # without vaes, one per latent side the arms ask for, that side's base
+    config.write_text("main_arm: a\narms: {a: {latent: 16}, b: {latent: 32}}\n", "utf-8")
+    derived = ec.load_chain_config(config)
+    assert {n: v.latent for n, v in derived.vaes.items()} == {"16": 16, "32": 32}
+    assert derived.vaes["32"].architecture()["block_out_channels"] == [64, 64, 64]
+
+
+def test_vae_best_is_chosen_on_validation_reconstructions_and_sets_the_unet_channels(tmp_path: Path) -> None:
+    config = tmp_path / "chain.yaml"
+    config.write_text(
+        "main_arm: a\narms: {a: {latent: 32}}\n"
+        "vaes: {c4: {latent: 32}, c8: {latent: 32, changes: {latent_channels: 8}}}\n",
+        "utf-8",
+    )
+    chain = ec.EmojiChain(tmp_path / "run", ec.load_chain_config(config), [], smoke=True)
+    # c4 is better on the test side, c8 on validation: validation decides
+    for name, val, test in (("c4", 60.0, 90.0), ("c8", 70.0, 50.0)):
+        record = {"val": {"top1": val}, "test": {"top1": test}}
+        (chain.results / f"vae_judge_{name}.json").write_text(json.dumps(record), "utf-8")
+        chain.vae_dir(name).mkdir(parents=True)
+        channels = 8 if name == "c8" else 4
+        (chain.vae_dir(name) / "config.json").write_text(json.dumps({"latent_channels": channels}), "utf-8")
+    arm = chain.cfg.arms["a"]
+    assert chain.arm_vae(arm) == "c8"
+    unet = json.loads(Path(chain.architecture("a", arm)).read_text("utf-8"))
+    assert (unet["in_channels"], unet["out_channels"], unet["sample_size"]) == (8, 8, 32)
+    job = chain.unet_jobs()["unet_a_s0"]
+    assert f"--model.vae={chain.vae_dir('c8')}" in job
 
 
 def test_summary_is_mean_and_sd_over_seeds_and_the_seed_is_chosen_on_validation(tmp_path: Path) -> None:
