@@ -306,17 +306,20 @@ def kshapes_folder(args: argparse.Namespace) -> Path | None:
 
 
 def all_cases(args: argparse.Namespace, size: int) -> list[dict[str, Any]]:
-    """The test items asked for, then (with a kshapes folder) the held-out prompts' images."""
+    """With a kshapes folder, the held-out prompts' images first (30 prompts, one controlled call
+    each: cheap, so a run cut short still has them), then the test items asked for."""
     kshapes = kshapes_folder(args)
-    data = open_data(Path(args.data), size)
-    limit = len(data) if args.limit is None else args.limit
-    cases = test_cases(data, entity_splits(kshapes), captions=args.captions, limit=limit, seed=args.seed)
+    cases = []
     if kshapes is not None and args.heldout_prompts != 0:
         cases += prompt_cases(
             kshapes, limit=args.heldout_prompts, images_per_prompt=args.images_per_prompt, seed=args.seed,
             size=size,
         )  # fmt: skip
-    return cases
+    data = open_data(Path(args.data), size)
+    limit = len(data) if args.limit is None else args.limit
+    return cases + test_cases(
+        data, entity_splits(kshapes), captions=args.captions, limit=limit, seed=args.seed
+    )
 
 
 def _grid_picks(cases: list[dict[str, Any]], rows: int) -> set[int]:
@@ -334,6 +337,8 @@ def measure(pipe: Any, settings: dict[str, Any], args: argparse.Namespace) -> di
     picks = _grid_picks(cases, args.grid_rows)
     rows: list[dict[str, Any]] = []
     grid: list[torch.Tensor] = []
+    grid_written = False
+    out = Path(args.out)
     for start in range(0, len(cases), args.batch_size):
         batch = cases[start : start + args.batch_size]
         control = torch.stack([c["control"] for c in batch])  # (B, 3, H, W) in [0, 1]
@@ -344,6 +349,18 @@ def measure(pipe: Any, settings: dict[str, Any], args: argparse.Namespace) -> di
             rows.append(score(batch[k], w, wo))
             if start + k in picks:
                 grid.append(torch.cat([control[k], with_control[k], without[k]], dim=-1))  # (3, H, 3W)
+        # After every batch: a run stopped by its time limit leaves what it measured ("complete": false).
+        write_json(out / "iou.json", record(rows, settings, args, complete=start + len(batch) == len(cases)))
+        if grid and (len(grid) == len(picks) or start + len(batch) == len(cases)) and not grid_written:
+            save_grid(grid, out / "grid.png")
+            grid_written = True
+    return record(rows, settings, args, complete=True)
+
+
+def record(
+    rows: list[dict[str, Any]], settings: dict[str, Any], args: argparse.Namespace, *, complete: bool
+) -> dict[str, Any]:
+    """iou.json: the settings, the means over the test items, the knowledge table, the targets, the rows."""
     tests = [r for r in rows if r["source"] == "test"]
     summary = {
         "model": str(args.model),
@@ -351,6 +368,7 @@ def measure(pipe: Any, settings: dict[str, Any], args: argparse.Namespace) -> di
         "data": str(args.data),
         "kshapes": str(kshapes_folder(args)),
         "captions": args.captions,
+        "complete": complete,
         "n": len(tests),
         "n_prompts": len(rows) - len(tests),
         "steps": settings["steps"],
@@ -365,17 +383,16 @@ def measure(pipe: Any, settings: dict[str, Any], args: argparse.Namespace) -> di
             f"mean_{key}": float(np.mean([r[key] for r in tests])) if tests else None
             for key in ("iou_with", "iou_without", "iou_data")
         },
-        "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if grid:
-        from torchvision.utils import make_grid
+    return {**summary, "targets": targets(summary), "rows": rows}
 
-        from rapiddiff.train.callbacks import save_png
 
-        save_png(make_grid(torch.stack(grid), nrow=1, padding=2), out / "grid.png")
-    return summary
+def save_grid(grid: list[torch.Tensor], path: Path) -> None:
+    from torchvision.utils import make_grid
+
+    from rapiddiff.train.callbacks import save_png
+
+    save_png(make_grid(torch.stack(grid), nrow=1, padding=2), path)
 
 
 def _sync(device: str) -> None:
@@ -491,9 +508,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_json(path: Path, record: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically: a run killed at its time limit leaves the last whole record, never half of one."""
+    from rapiddiff.utils.io import atomic_write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    atomic_write_text(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -503,7 +523,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     if not args.no_measure:
         summary = measure(pipe, settings, args)
-        summary["targets"] = targets(summary)
         write_json(out / "iou.json", summary)  # before the speed run: a failure there keeps it
     if args.speed:
         speed = measure_speed(pipe, settings, args)

@@ -106,7 +106,7 @@ finish
 [ -f "$out/iou.json" ] && "$py" -c "
 import json, sys
 r = json.load(open(sys.argv[1], encoding='utf-8'))
-print('[cn-kshapes] iou with/without', r.get('mean_iou_with'), r.get('mean_iou_without'))
+print('[cn-kshapes] measure complete:', r.get('complete'), '| mean IoU with/without', r.get('mean_iou_with'), r.get('mean_iou_without'))
 for k, v in r.get('knowledge', {}).items():
     print(f\"[cn-kshapes] {k}: n={v['n']} both with {v['both_with']} without {v['both_without']} ({v['both_diff_points']:+} points)\")
 s = r.get('speed') or {}

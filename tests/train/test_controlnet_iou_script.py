@@ -76,7 +76,7 @@ def test_iou_script_measures_both_arms_and_writes_the_grid(
     assert summary["targets"]["heldout, both right: with control >= without - 3.0 points"] is True
     assert summary["targets"]["batch-1 time with / without control <= 1.35"] is None  # not timed
     written = json.loads((out / "iou.json").read_text(encoding="utf-8"))
-    assert written["n"] == 3 and written["knowledge"] == table
+    assert written["n"] == 3 and written["knowledge"] == table and written["complete"] is True
     with Image.open(out / "grid.png") as grid:
         assert grid.size == (3 * 16 + 4, 4 * 16 + 10)  # 2 test + 2 prompt rows of control | with | without
 
