@@ -561,8 +561,7 @@ def summarise(chain: EmojiChain) -> dict[str, Any]:
             )
         steps = {}
         for s in arm.seeds:
-            metrics = chain.seed_dir(s) / f"run_unet_{name}"
-            steps[str(s)] = _last_step(metrics)
+            steps[str(s)] = _last_step(chain.logs / f"unet_{name}_s{s}.log")
         summary["arms"][name] = {"seeds": sorted(per_seed), "measures": table, "guidance": guidance, "unet_steps": steps,
                                  "unet": arm.unet, "changes": arm.changes, "latent": arm.latent,
                                  "vae": chain.arm_vae(arm)}  # fmt: skip
@@ -589,13 +588,15 @@ def summarise(chain: EmojiChain) -> dict[str, Any]:
     return summary
 
 
-def _last_step(run: Path) -> int | None:
-    last = run / "checkpoints" / "last.ckpt"
-    if not last.exists():
-        return None
-    import torch
+def _last_step(log: Path) -> int | None:
+    """The last step a training log reports (its progress lines: ``step N/M``). Not last.ckpt: that
+    is written every ``every_n_train_steps``, so a run ending between two is under-counted."""
+    import re
 
-    return int(torch.load(last, map_location="cpu", weights_only=False).get("global_step", 0))
+    if not log.exists():
+        return None
+    steps = re.findall(r"^step (\d+)/\d+", log.read_text("utf-8", errors="replace"), flags=re.MULTILINE)
+    return int(steps[-1]) if steps else None
 
 
 ROWS = [  # (label, key) of the summary table, in the issue's order

@@ -8,7 +8,7 @@
 # Here, once: bash benchmarks/device/make_wheels.sh && bash benchmarks/emoji_chain_device.sh wheels .whl .wt/lean
 #             bash benchmarks/device/slim_emoji_packages.sh TGZ_DIR .wt/emoji_pkgs   # TGZ_DIR: `npm pack` of the six
 # Carry WHEELS (default .wt/lean: benchmarks/device/make_wheels.sh's set without the serving stack,
-# sqlalchemy/optuna, pydantic and lmdb: 15 MB) and PKGS, emoji-zh's npm tarballs slimmed to what the
+# sqlalchemy/optuna, pydantic and lmdb: 17 MB) and PKGS, emoji-zh's npm tarballs slimmed to what the
 # builder reads (package.json, LICENSE, emoji.json, img/<style>/64 of the catalogue's emoji,
 # annotations*/zh*: 11 MB; the full tarballs are 150 MB), and for `unet` the folder holding prep.tgz.
 # The working tree travels too, and the built-in model's 24 MB does not fit beside them: keep
@@ -22,13 +22,15 @@
 # Measured 2026-12-02 (H200, WORK=/tmp/ec): data 17–22 s, TransE 143–206 s (3 seeds side by side, 300
 # epochs, pykeen's per-batch overhead), CLIP 210 s, VAEs 268 s (4 minutes' budget).
 set -u
+# torch_fidelity stays: `eval emoji`'s Fréchet distance imports it (2026-12-02 every evaluation failed
+# without it); resvg-py stays: the upscaler's hr/ slice.
 if [ "$1" = wheels ]; then  # kshapes' slim set without what the chain never imports (serving stays out too)
   bash benchmarks/kshapes_chain_device.sh wheels "$2" "$3.slim" > /dev/null || exit 1
   rm -rf "$3"; mkdir -p "$3"
   for w in "$3.slim"/*; do
     case $(basename "$w") in
       sqlalchemy-*|alembic-*|mako-*|optuna-*|colorlog-*|pydantic*|annotated_types-*|typing_inspection-*|lmdb-*) ;;
-      torch_fidelity-*|opentelemetry*|dataclasses_json-*|marshmallow-*|typing_extensions-*|click-*|prelude.sh) ;;
+      opentelemetry*|dataclasses_json-*|marshmallow-*|typing_extensions-*|click-*|prelude.sh) ;;
       *) cp "$w" "$3/" ;;
     esac
   done

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Issue 49 in one device call (≈ 8 min on an H200 shared with other training; modest GPU memory):
+# Issue 49 in one device call (≈ 8 min on an H200 shared with other training; modest GPU memory).
+# Measured 2026-12-02 beside the emoji chain's four U-Nets (GPU at 99 %): data 7 s, train 280 s, and
+# the measure's 200 s drew 120 held-out and 40 seen cases (complete: false); the speed step had 53 s
+# left and timed nothing. On a GPU of its own, or with KSC_MEASURE_S / KSC_SPEED_S raised, it finishes.
 #   1. data:    kshapes with object masks (the `mask` column), no hr/ copies, into $KSC/data;
 #   2. train:   `rapiddiff train controlnet --config configs/controlnet/kshapes.yaml` on the built-in
 #               kshapes model, paths in $KSC, bf16-mixed, stopped by --trainer.max_time (the config's
@@ -20,7 +23,7 @@
 # KSC_BATCH (the config's), KSC_PRECISION (bf16-mixed), KSC_LIMIT (200), KSC_HELDOUT_PROMPTS (all),
 # KSC_IMAGES_PER_PROMPT (4), KSC_SAMPLE_STEPS (the model's), KSC_SPEED_RUNS (10), KSC_DTYPE
 # (bfloat16), KSC_DEVICE (auto: cuda), KSC_BUDGET (seconds after which no step starts, 540),
-# KSC_TRAIN_ARGS (more `train controlnet` overrides, e.g. --samples.at_end=false), KSC_NO_INSTALL=1
+# KSC_MEASURE_S / KSC_SPEED_S (those steps' time limits, 200 s each), KSC_TRAIN_ARGS (more `train controlnet` overrides, e.g. --samples.at_end=false), KSC_NO_INSTALL=1
 # (PYTHONPATH already set: skip install_wheels.sh), PY (python3).
 set -u
 out=$1
@@ -97,10 +100,10 @@ iou=(--model builtin:kshapes --controlnet "$work/run/model" --data "$work/data/t
   --captions seen --out "$out" --dtype "${KSC_DTYPE:-bfloat16}" "${device[@]}" "${sample[@]}")
 heldout=()
 [ -n "${KSC_HELDOUT_PROMPTS:-}" ] && heldout=(--heldout-prompts "$KSC_HELDOUT_PROMPTS")
-step measure 200 "$py" benchmarks/controlnet_mask_iou.py "${iou[@]}" --limit "${KSC_LIMIT:-200}" \
+step measure "${KSC_MEASURE_S:-200}" "$py" benchmarks/controlnet_mask_iou.py "${iou[@]}" --limit "${KSC_LIMIT:-200}" \
   --images-per-prompt "${KSC_IMAGES_PER_PROMPT:-4}" "${heldout[@]}" --batch-size 32
 # a speed run on its own joins iou.json (when the measure wrote one) and writes speed.json
-step speed 200 "$py" benchmarks/controlnet_mask_iou.py "${iou[@]}" --no-measure --speed \
+step speed "${KSC_SPEED_S:-200}" "$py" benchmarks/controlnet_mask_iou.py "${iou[@]}" --no-measure --speed \
   --speed-runs "${KSC_SPEED_RUNS:-10}"
 finish
 [ -f "$out/iou.json" ] && "$py" -c "

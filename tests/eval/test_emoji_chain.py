@@ -106,3 +106,12 @@ def test_guidance_score_reads_validation_only(tmp_path: Path) -> None:
     _write_eval(tmp_path / "g", seen_top1=99.0, val_sub=30.0, val_top5=20.0, frechet=1.0)
     assert ec.val_score(tmp_path / "g") == 50.0
     assert ec.val_score(tmp_path / "missing") == float("-inf")
+
+
+def test_unet_steps_are_read_off_the_log_not_the_last_checkpoint(tmp_path: Path) -> None:
+    # a run of 3,600 steps checkpoints every 1,000: last.ckpt says 3,000, the log's progress 3,600
+    log = tmp_path / "unet_a_s0.log"
+    log.write_text("cmd\n\nstep 50/3600  loss 0.2\nstep 3550/3600  loss 0.04\nstep 3600/3600  loss 0.03\n"
+                   "step 3600/3600 ━━━━ 166/166 (the progress bar)\n", "utf-8")  # fmt: skip
+    assert ec._last_step(log) == 3600
+    assert ec._last_step(tmp_path / "missing.log") is None
