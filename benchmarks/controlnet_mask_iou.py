@@ -279,9 +279,10 @@ def load(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from rapiddiff.models.builtin import resolve_model
     from rapiddiff.models.bundle import load_model_folder
     from rapiddiff.models.sampling import SamplingDefaults, vae_scale_factor
+    from rapiddiff.utils.device import resolve_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = resolve_dtype(args.dtype, device)
     base = resolve_model(args.model)  # a folder, builtin or builtin:NAME
     bundle = load_model_folder(base, device=device, dtype=dtype, load_upscaler=False)
     pipe = RapidDiffusionPipeline.from_bundle(bundle)

@@ -131,6 +131,10 @@ def load_chain_config(path: str | Path, overrides: dict[str, Any] | None = None)
     for name, arm in cfg.arms.items():
         if arm.vae != "best" and arm.vae not in cfg.vaes:
             raise ConfigError(f"arms.{name}.vae: 'best' or one of {', '.join(cfg.vaes)}, got {arm.vae!r}")
+        if arm.vae != "best" and cfg.vaes[arm.vae].latent != arm.latent:
+            raise ConfigError(
+                f"arms.{name}.vae: {arm.vae} has {cfg.vaes[arm.vae].latent}² latents, the arm {arm.latent}²"
+            )
         if not any(v.latent == arm.latent for v in cfg.vaes.values()):
             raise ConfigError(f"arms.{name}.latent: {arm.latent}, but no VAE of vaes has that latent side")
     for name, vae in cfg.vaes.items():

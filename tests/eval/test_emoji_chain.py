@@ -46,6 +46,9 @@ def test_config_checks_name_the_key(tmp_path: Path) -> None:
     config.write_text("main_arm: s\narms: {s: {latent: 32, vae: c9}}\nvaes: {c4: {latent: 32}}\n", "utf-8")
     with pytest.raises(ConfigError, match=r"arms\.s\.vae: 'best' or one of c4, got 'c9'"):
         ec.load_chain_config(config)
+    config.write_text("main_arm: s\narms: {s: {latent: 16, vae: c4}}\nvaes: {c4: {latent: 32}}\n", "utf-8")
+    with pytest.raises(ConfigError, match=r"arms\.s\.vae: c4 has 32² latents, the arm 16²"):
+        ec.load_chain_config(config)
     config.write_text("main_arm: s\narms: {s: {latent: 16}}\nvaes: {c4: {latent: 32}}\n", "utf-8")
     with pytest.raises(ConfigError, match=r"arms\.s\.latent: 16, but no VAE of vaes has that latent side"):
         ec.load_chain_config(config)
